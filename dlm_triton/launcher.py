@@ -1,0 +1,415 @@
+"""Start and stop tritonserver (and the OpenAI proxy) as one unit, by PID.
+
+One code path for ``dlm-triton serve``, the Docker entry point and the test fixtures:
+:class:`TritonServerProcess`. Why stop by hand: Triton 2.51 does not wait for decoupled
+requests still generating, can hang on SIGTERM after HTTP stream disconnects, and leaves Python
+stubs (which ignore SIGTERM) and their ``/dev/shm`` regions behind. So the proxy goes first
+(drain), then the server with a bounded wait and SIGKILL, then the stubs it started and the shm
+files named on their command lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from dlm_triton import model_repo
+from dlm_triton.server_dist import ServerDist, find_server
+
+STUB_NAME = "triton_python_backend_stub"
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "triton_python_backend_shm_region"
+DEFAULT_MODEL = "tiny-dlm"
+
+
+def free_port() -> int:
+    """A port free right now (tests run in parallel: never hard-code 8000)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def has_gpu() -> bool:
+    """Cheap GPU check without importing torch (that takes seconds)."""
+    return Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi") is not None
+
+
+def committed_repository() -> Path:
+    """``model_repository/`` beside the package (``DLM_MODEL_REPOSITORY`` overrides)."""
+    return Path(os.environ.get("DLM_MODEL_REPOSITORY", model_repo.COMMITTED_REPOSITORY))
+
+
+@dataclass
+class Ports:
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+    proxy: int = 9000
+
+    @classmethod
+    def free(cls) -> Ports:
+        return cls(free_port(), free_port(), free_port(), free_port())
+
+
+@dataclass
+class ModelChoice:
+    """What tritonserver loads: a repository, one model name in it, and env overrides."""
+
+    repository: Path
+    name: str
+    env: dict[str, str]
+    runtime_dir: Path | None = None  # written by us, removed at stop
+
+
+def _proc_children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc; no psutil dependency)."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    try:
+        return [int(x) for x in path.read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def proxy_command(ports: Ports, model_name: str, address: str) -> list[str] | None:
+    """How to start the OpenAI proxy, or None while ``openai_proxy`` has no entry point."""
+    import importlib.util
+
+    if importlib.util.find_spec("openai_proxy.__main__") is None:
+        return None
+    return [
+        sys.executable,
+        "-m",
+        "openai_proxy",
+        "--host",
+        address,
+        "--port",
+        str(ports.proxy),
+        "--triton-grpc",
+        f"127.0.0.1:{ports.grpc}",
+        "--model",
+        model_name,
+    ]
+
+
+class TritonServerProcess:
+    """tritonserver (+ optional proxy) for one model; a context manager.
+
+    ``model`` is a checkpoint directory (a runtime repository is written for it), a name in
+    ``model_repository/``, or None for the embedded default ``tiny-dlm``.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        model_name: str | None = None,
+        device: str = "auto",
+        dtype: str | None = None,
+        quantization: str | None = None,
+        engine_params: dict[str, str] | None = None,
+        ports: Ports | None = None,
+        address: str = "127.0.0.1",
+        proxy: bool = False,
+        log_path: Path | None = None,
+        ready_timeout_s: float = 300.0,
+        stop_timeout_s: float = 20.0,
+        dist: ServerDist | None = None,
+        verbose: bool = False,
+    ) -> None:
+        self.model = model
+        self.device = ("cuda" if has_gpu() else "cpu") if device == "auto" else device
+        self.dtype, self.quantization = dtype, quantization
+        self.engine_params = dict(engine_params or {})
+        self.requested_name = model_name
+        self.ports = ports or Ports()
+        self.address = address
+        self.want_proxy = proxy
+        self.log_path = log_path
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.verbose = verbose
+        self.dist = dist
+        self.choice: ModelChoice | None = None
+        self.server: subprocess.Popen | None = None
+        self.proxy: subprocess.Popen | None = None
+        self._stubs: dict[int, list[str]] = {}  # pid -> cmdline, seen while serving
+        self._log_file = None
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- model choice
+    def _overrides(self) -> dict[str, str]:
+        params = dict(self.engine_params)
+        if self.dtype:
+            params["dtype"] = self.dtype
+        if self.quantization:
+            params["quantization"] = self.quantization
+        params["device"] = self.device
+        return params
+
+    def _choose_model(self) -> ModelChoice:
+        """Checkpoint dir -> runtime repository; repo name -> committed repository + env."""
+        target = DEFAULT_MODEL if self.model is None else str(self.model)
+        path = Path(target).expanduser()
+        if path.is_dir() and (path / "config.json").exists():
+            name = self.requested_name or model_repo.sanitize_name(path.resolve().name)
+            runtime = Path(tempfile.mkdtemp(prefix="dlm-triton-repo-"))
+            spec = model_repo.ModelSpec(name, str(path.resolve()))
+            params = spec.parameters(self.device)
+            params.update(self._overrides())
+            spec = model_repo.ModelSpec(name, params.pop("checkpoint"), extra=params)
+            model_repo.write_model(runtime, spec)
+            return ModelChoice(runtime, name, {}, runtime_dir=runtime)
+        repo = committed_repository()
+        if not (repo / target / "config.pbtxt").exists():
+            known = sorted(p.name for p in repo.iterdir() if (p / "config.pbtxt").exists())
+            raise ValueError(
+                f"--model {target!r} is neither a checkpoint directory (with config.json) "
+                f"nor a model in {repo} ({', '.join(known)})"
+            )
+        env = {f"DLM_{k.upper()}": v for k, v in self._overrides().items()}
+        return ModelChoice(repo, target, env)
+
+    # ----------------------------------------------------------------- urls
+    @property
+    def model_name(self) -> str:
+        assert self.choice is not None, "start() first"
+        return self.choice.name
+
+    @property
+    def urls(self) -> dict[str, str]:
+        host = "127.0.0.1" if self.address in ("0.0.0.0", "127.0.0.1") else self.address
+        urls = {
+            "http": f"http://{host}:{self.ports.http}",
+            "grpc": f"{host}:{self.ports.grpc}",
+            "metrics": f"http://{host}:{self.ports.metrics}/metrics",
+        }
+        if self.choice:
+            urls["generate_stream"] = (
+                f"{urls['http']}/v2/models/{self.choice.name}/generate_stream"
+            )
+        if self.proxy is not None:
+            urls["openai"] = f"http://{host}:{self.ports.proxy}/v1"
+        return urls
+
+    # ----------------------------------------------------------------- start
+    def start(self) -> TritonServerProcess:
+        """Start the server, wait until the model is ready, then start the proxy."""
+        self.dist = self.dist or find_server()
+        self.choice = self._choose_model()
+        config_name = model_repo.CPU_CONFIG_NAME if self.device == "cpu" else None
+        cmd = self.dist.command(
+            self.choice.repository,
+            http_port=self.ports.http,
+            grpc_port=self.ports.grpc,
+            metrics_port=self.ports.metrics,
+            address=self.address,
+            model_config_name=config_name,
+            models=[self.choice.name],
+            gpu_metrics=self.device == "cuda",
+            log_verbose=1 if self.verbose else 0,
+        )
+        env = {**self.dist.env, **self.choice.env}
+        out = None
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = out = open(self.log_path, "ab")  # noqa: SIM115 - kept for the run
+        # Own session: Ctrl-C in a terminal must not reach the server before the proxy drains.
+        self.server = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            self._wait_ready()
+            if self.want_proxy:
+                self._start_proxy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        assert self.server is not None and self.choice is not None
+        base = f"http://127.0.0.1:{self.ports.http}"
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            self._record_stubs()
+            if self.server.poll() is not None:
+                raise RuntimeError(
+                    f"tritonserver exited with {self.server.returncode} while loading "
+                    f"{self.choice.name}{self._log_tail()}"
+                )
+            if _http_ok(f"{base}/v2/health/ready") and _http_ok(
+                f"{base}/v2/models/{self.choice.name}/ready"
+            ):
+                self._record_stubs()
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver not ready in {self.ready_timeout_s}s{self._log_tail()}")
+
+    def _start_proxy(self) -> None:
+        assert self.choice is not None
+        cmd = proxy_command(self.ports, self.choice.name, self.address)
+        if cmd is None:
+            print("openai_proxy has no entry point yet: serving Triton only", file=sys.stderr)
+            return
+        self.proxy = subprocess.Popen(cmd, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proxy.poll() is not None:
+                raise RuntimeError(f"the OpenAI proxy exited with {self.proxy.returncode}")
+            if _http_ok(f"http://127.0.0.1:{self.ports.proxy}/health") or _http_ok(
+                f"http://127.0.0.1:{self.ports.proxy}/v1/models"
+            ):
+                return
+            time.sleep(0.3)
+        raise TimeoutError("the OpenAI proxy did not answer within 60 s")
+
+    def _log_tail(self, n: int = 4000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n--- tritonserver log tail ---\n" + self.log_path.read_text(errors="replace")[-n:]
+
+    # ----------------------------------------------------------------- stubs
+    def _record_stubs(self) -> None:
+        """Remember the stubs this server started (they outlive it if it is SIGKILLed)."""
+        if self.server is None:
+            return
+        for child in _proc_children(self.server.pid):
+            cmd = _cmdline(child)
+            if cmd and cmd[0].endswith(STUB_NAME):
+                self._stubs[child] = cmd
+
+    def stub_pids(self) -> list[int]:
+        """Stubs of this server still alive."""
+        self._record_stubs()
+        return [pid for pid, cmd in self._stubs.items() if _alive(pid) and _cmdline(pid) == cmd]
+
+    def shm_files(self) -> list[Path]:
+        """``/dev/shm`` regions named on this server's stub command lines that still exist."""
+        names = {a for cmd in self._stubs.values() for a in cmd if a.startswith(SHM_PREFIX)}
+        names |= {a.lstrip("/") for cmd in self._stubs.values() for a in cmd if SHM_PREFIX in a}
+        return [SHM_DIR / n for n in sorted(names) if (SHM_DIR / n).exists()]
+
+    # ----------------------------------------------------------------- stop
+    def running(self) -> bool:
+        return self.server is not None and self.server.poll() is None
+
+    def stop(self) -> None:
+        """Proxy first (drain), then the server (bounded wait, SIGKILL), stubs, shm files."""
+        with self._lock:
+            if self.proxy is not None:
+                _terminate(self.proxy, timeout=15.0)
+                self.proxy = None
+            if self.server is not None:
+                self._record_stubs()
+                _terminate(self.server, timeout=self.stop_timeout_s)
+                try:  # anything else left in the server's own session
+                    os.killpg(self.server.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                for pid in self.stub_pids():
+                    with _suppress():
+                        os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 5
+                while self.stub_pids() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                for path in self.shm_files():
+                    with _suppress():
+                        path.unlink()
+                self.server = None
+            if self.choice is not None and self.choice.runtime_dir is not None:
+                shutil.rmtree(self.choice.runtime_dir, ignore_errors=True)
+                self.choice.runtime_dir = None
+            if self._log_file is not None:
+                self._log_file.close()
+                self._log_file = None
+
+    def __enter__(self) -> TritonServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ----------------------------------------------------------------- foreground
+    def serve_forever(self) -> int:
+        """Block until Ctrl-C / SIGTERM or the server dies; then stop everything."""
+        stop = threading.Event()
+        previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while not stop.wait(1.0):
+                if not self.running():
+                    print("tritonserver exited unexpectedly", file=sys.stderr)
+                    return 1
+                if self.proxy is not None and self.proxy.poll() is not None:
+                    print("the OpenAI proxy exited unexpectedly", file=sys.stderr)
+                    return 1
+                self._record_stubs()
+            return 0
+        finally:
+            print("stopping ...", file=sys.stderr)
+            self.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def describe(self) -> str:
+        return json.dumps({"model": self.model_name, "device": self.device, **self.urls}, indent=2)
+
+
+class _suppress:
+    """Ignore a process or file that vanished in between."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: type | None, *_: object) -> bool:
+        return typ is not None and issubclass(typ, (ProcessLookupError, FileNotFoundError, PermissionError))
+
+
+def _terminate(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, bounded wait, SIGKILL."""
+    if proc.poll() is not None:
+        return
+    with _suppress():
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with _suppress():
+            proc.kill()
+        proc.wait(timeout=10)
