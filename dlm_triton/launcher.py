@@ -10,6 +10,7 @@ files named on their command lines.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -148,7 +149,8 @@ class TritonServerProcess:
         proxy: bool = False,
         log_path: Path | None = None,
         ready_timeout_s: float = 300.0,
-        stop_timeout_s: float = 20.0,
+        exit_timeout_s: int = 10,
+        gpu_metrics: bool | None = None,
         dist: ServerDist | None = None,
         verbose: bool = False,
     ) -> None:
@@ -162,7 +164,9 @@ class TritonServerProcess:
         self.want_proxy = proxy
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
-        self.stop_timeout_s = stop_timeout_s
+        self.exit_timeout_s = exit_timeout_s
+        self.stop_timeout_s = exit_timeout_s + 10.0  # Triton's own wait, then SIGKILL
+        self.gpu_metrics = self.device.startswith("cuda") if gpu_metrics is None else gpu_metrics
         self.verbose = verbose
         self.dist = dist
         self.choice: ModelChoice | None = None
@@ -186,21 +190,25 @@ class TritonServerProcess:
         """Checkpoint dir -> runtime repository; repo name -> committed repository + env."""
         target = DEFAULT_MODEL if self.model is None else str(self.model)
         path = Path(target).expanduser()
-        if path.is_dir() and (path / "config.json").exists():
-            name = self.requested_name or model_repo.sanitize_name(path.resolve().name)
+        repo = committed_repository()
+        is_dir = path.is_dir() and (path / "config.json").exists()
+        is_hub_id = "/" in target and not path.exists() and not (repo / target).exists()
+        if is_dir or is_hub_id:
+            checkpoint = str(path.resolve()) if is_dir else target
+            base = path.resolve().name if is_dir else target.rsplit("/", 1)[-1]
+            name = self.requested_name or model_repo.sanitize_name(base)
             runtime = Path(tempfile.mkdtemp(prefix="dlm-triton-repo-"))
-            spec = model_repo.ModelSpec(name, str(path.resolve()))
+            spec = model_repo.ModelSpec(name, checkpoint)
             params = spec.parameters(self.device)
             params.update(self._overrides())
             spec = model_repo.ModelSpec(name, params.pop("checkpoint"), extra=params)
             model_repo.write_model(runtime, spec)
             return ModelChoice(runtime, name, {}, runtime_dir=runtime)
-        repo = committed_repository()
         if not (repo / target / "config.pbtxt").exists():
             known = sorted(p.name for p in repo.iterdir() if (p / "config.pbtxt").exists())
             raise ValueError(
-                f"--model {target!r} is neither a checkpoint directory (with config.json) "
-                f"nor a model in {repo} ({', '.join(known)})"
+                f"--model {target!r} is neither a checkpoint directory (with config.json), "
+                f"a hub id, nor a model in {repo} ({', '.join(known)})"
             )
         env = {f"DLM_{k.upper()}": v for k, v in self._overrides().items()}
         return ModelChoice(repo, target, env)
@@ -220,9 +228,7 @@ class TritonServerProcess:
             "metrics": f"http://{host}:{self.ports.metrics}/metrics",
         }
         if self.choice:
-            urls["generate_stream"] = (
-                f"{urls['http']}/v2/models/{self.choice.name}/generate_stream"
-            )
+            urls["generate_stream"] = f"{urls['http']}/v2/models/{self.choice.name}/generate_stream"
         if self.proxy is not None:
             urls["openai"] = f"http://{host}:{self.ports.proxy}/v1"
         return urls
@@ -241,8 +247,9 @@ class TritonServerProcess:
             address=self.address,
             model_config_name=config_name,
             models=[self.choice.name],
-            gpu_metrics=self.device == "cuda",
+            gpu_metrics=self.gpu_metrics,
             log_verbose=1 if self.verbose else 0,
+            exit_timeout_s=self.exit_timeout_s,
         )
         env = {**self.dist.env, **self.choice.env}
         out = None
@@ -339,10 +346,8 @@ class TritonServerProcess:
             if self.server is not None:
                 self._record_stubs()
                 _terminate(self.server, timeout=self.stop_timeout_s)
-                try:  # anything else left in the server's own session
+                with _suppress():  # anything else left in the server's own session
                     os.killpg(self.server.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
                 for pid in self.stub_pids():
                     with _suppress():
                         os.kill(pid, signal.SIGKILL)
@@ -370,7 +375,9 @@ class TritonServerProcess:
     def serve_forever(self) -> int:
         """Block until Ctrl-C / SIGTERM or the server dies; then stop everything."""
         stop = threading.Event()
-        previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {
+            s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)
+        }
         try:
             while not stop.wait(1.0):
                 if not self.running():
@@ -391,14 +398,9 @@ class TritonServerProcess:
         return json.dumps({"model": self.model_name, "device": self.device, **self.urls}, indent=2)
 
 
-class _suppress:
+def _suppress() -> contextlib.suppress:
     """Ignore a process or file that vanished in between."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, typ: type | None, *_: object) -> bool:
-        return typ is not None and issubclass(typ, (ProcessLookupError, FileNotFoundError, PermissionError))
+    return contextlib.suppress(ProcessLookupError, FileNotFoundError, PermissionError)
 
 
 def _terminate(proc: subprocess.Popen, timeout: float) -> None:

@@ -90,7 +90,9 @@ def default_cache_dir() -> Path:
     return Path(base) / "dlm-triton"
 
 
-def model_env(base: dict[str, str] | None = None, lib_dirs: list[Path] | None = None) -> dict[str, str]:
+def model_env(
+    base: dict[str, str] | None = None, lib_dirs: list[Path] | None = None
+) -> dict[str, str]:
     """Environment for tritonserver: the venv's ``bin`` first on PATH (the stub picks its
     ``site-packages`` from there; PYTHONPATH is ignored by it) and the needed libraries."""
     env = dict(os.environ if base is None else base)
@@ -191,8 +193,14 @@ def find_server(prefer: str = "auto", cache: Path | None = None) -> ServerDist:
     if explicit:
         binary = Path(explicit)
         backends = Path(os.environ.get("DLM_TRITON_BACKENDS", binary.parent.parent / "backends"))
-        return ServerDist(binary, backends, model_env(lib_dirs=[binary.parent.parent / "lib"]), "env")
-    order = {"auto": (_system_dist, _wheel_dist), "system": (_system_dist,), "wheel": (_wheel_dist,)}
+        return ServerDist(
+            binary, backends, model_env(lib_dirs=[binary.parent.parent / "lib"]), "env"
+        )
+    order = {
+        "auto": (_system_dist, _wheel_dist),
+        "system": (_system_dist,),
+        "wheel": (_wheel_dist,),
+    }
     for finder in order[prefer]:
         dist = finder(cache) if finder is _wheel_dist else finder()
         if dist is not None:

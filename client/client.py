@@ -1,0 +1,284 @@
+"""A small typed client for the dlm Triton models (gRPC streaming and HTTP).
+
+It speaks the tensor contract of docs/architecture.md and nothing more: the OpenAI surface is
+the proxy's job. Each gRPC call opens its own stream so that calls from many threads never
+share callbacks; closing a stream iterator early cancels the request on the server.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+OUTPUTS = ("text_output", "finish_reason", "prompt_tokens", "completion_tokens", "steps", "canvas")
+
+
+class DLMError(RuntimeError):
+    """A request failed; ``message`` starts with ``invalid request:``, ``overloaded:`` or
+    ``internal error:`` when the model produced it."""
+
+    @property
+    def invalid(self) -> bool:
+        return "invalid request:" in str(self)
+
+
+@dataclass
+class Chunk:
+    """One response: the delta text when streaming, the whole completion otherwise."""
+
+    text: str
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    steps: int = 0
+    canvas: list[str | None] | None = None
+
+    @property
+    def final(self) -> bool:
+        return bool(self.finish_reason)
+
+    @classmethod
+    def from_fields(cls, get: Any) -> Chunk:
+        """Build from a getter ``name -> scalar`` (gRPC numpy or HTTP JSON)."""
+
+        def text(name: str) -> str:
+            value = get(name)
+            return value.decode("utf-8") if isinstance(value, bytes) else str(value or "")
+
+        canvas = text("canvas")
+        return cls(
+            text=text("text_output"),
+            finish_reason=text("finish_reason"),
+            prompt_tokens=int(get("prompt_tokens") or 0),
+            completion_tokens=int(get("completion_tokens") or 0),
+            steps=int(get("steps") or 0),
+            canvas=json.loads(canvas) if canvas else None,
+        )
+
+
+@dataclass
+class Completion:
+    """A finished request (streamed deltas joined)."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    steps: int
+    chunks: int = 1
+
+
+def build_inputs(
+    prompt: str | None = None,
+    *,
+    messages: list[dict[str, str]] | None = None,
+    input_ids: list[int] | None = None,
+    stream: bool | None = None,
+    sampling: dict[str, Any] | None = None,
+) -> dict[str, np.ndarray]:
+    """Contract tensors (with the batch dimension of 1) for one request."""
+    arrays: dict[str, np.ndarray] = {}
+    if prompt is not None:
+        arrays["text_input"] = np.array([[prompt.encode("utf-8")]], dtype=np.object_)
+    if messages is not None:
+        arrays["messages"] = np.array([[json.dumps(messages).encode("utf-8")]], dtype=np.object_)
+    if input_ids is not None:
+        arrays["input_ids"] = np.array([list(input_ids)], dtype=np.int64)
+    if stream is not None:
+        arrays["stream"] = np.array([[bool(stream)]], dtype=np.bool_)
+    if sampling:
+        arrays["sampling_parameters"] = np.array(
+            [[json.dumps(sampling).encode("utf-8")]], dtype=np.object_
+        )
+    return arrays
+
+
+_TRITON_DTYPES = {np.object_: "BYTES", np.int64: "INT64", np.bool_: "BOOL"}
+
+
+class DLMClient:
+    """Client for one model. ``url`` is the gRPC address (``host:8001``); ``http_url`` the
+    HTTP base (``http://host:8000``) used by :meth:`generate_http` / :meth:`stream_http`."""
+
+    def __init__(
+        self,
+        url: str = "127.0.0.1:8001",
+        model: str = "tiny-dlm",
+        *,
+        http_url: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.url = url
+        self.model = model
+        self.http_url = http_url or f"http://{url.rsplit(':', 1)[0]}:8000"
+        self.timeout_s = timeout_s
+
+    # ------------------------------------------------------------------ gRPC
+    def _grpc_inputs(self, arrays: dict[str, np.ndarray]) -> list:
+        import tritonclient.grpc as grpcclient
+
+        inputs = []
+        for name, array in arrays.items():
+            tensor = grpcclient.InferInput(
+                name, list(array.shape), _TRITON_DTYPES[array.dtype.type]
+            )
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        return inputs
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        input_ids: list[int] | None = None,
+        stream: bool = True,
+        parameters: dict[str, Any] | None = None,
+        request_id: str = "",
+        **sampling: Any,
+    ) -> Iterator[Chunk]:
+        """Yield responses over one gRPC stream until the final one. ``sampling`` keys go in
+        the ``sampling_parameters`` tensor, ``parameters`` as Triton request parameters.
+        Stopping the iteration early cancels the request on the server."""
+        import tritonclient.grpc as grpcclient
+
+        arrays = build_inputs(
+            prompt, messages=messages, input_ids=input_ids, stream=stream, sampling=sampling
+        )
+        responses: queue.Queue = queue.Queue()
+
+        def on_response(result: Any = None, error: Any = None) -> None:
+            responses.put((result, error))
+
+        client = grpcclient.InferenceServerClient(self.url)
+        finished = False
+        try:
+            client.start_stream(callback=on_response)
+            client.async_stream_infer(
+                self.model,
+                self._grpc_inputs(arrays),
+                request_id=request_id,
+                parameters=parameters,
+                outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS],
+            )
+            while True:
+                try:
+                    result, error = responses.get(timeout=self.timeout_s)
+                except queue.Empty as exc:
+                    raise DLMError(f"no response within {self.timeout_s}s") from exc
+                if error is not None:
+                    finished = True
+                    raise DLMError(_error_message(error))
+                chunk = Chunk.from_fields(lambda n, r=result: _first(r.as_numpy(n)))
+                finished = chunk.final
+                yield chunk
+                if finished:
+                    return
+        finally:
+            client.stop_stream(cancel_requests=not finished)
+            client.close()
+
+    def generate(
+        self, prompt: str | None = None, *, stream: bool = False, **kwargs: Any
+    ) -> Completion:
+        """Run one request to completion over gRPC (streamed deltas joined if ``stream``)."""
+        return _join(self.stream(prompt, stream=stream, **kwargs))
+
+    # ------------------------------------------------------------------ HTTP
+    def _http_body(
+        self, prompt: str | None, messages: Any, input_ids: Any, stream: bool, sampling: dict
+    ) -> dict:
+        body: dict[str, Any] = {"stream": stream}
+        if prompt is not None:
+            body["text_input"] = prompt
+        if messages is not None:
+            body["messages"] = json.dumps(messages)
+        if input_ids is not None:
+            body["input_ids"] = list(input_ids)
+        if sampling:
+            body["sampling_parameters"] = json.dumps(sampling)
+        return body
+
+    def stream_http(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        input_ids: list[int] | None = None,
+        stream: bool = True,
+        **sampling: Any,
+    ) -> Iterator[Chunk]:
+        """``POST /v2/models/<m>/generate_stream`` and parse its server-sent events."""
+        import httpx
+
+        url = f"{self.http_url}/v2/models/{self.model}/generate_stream"
+        body = self._http_body(prompt, messages, input_ids, stream, sampling)
+        with (
+            httpx.Client(timeout=self.timeout_s) as http,
+            http.stream("POST", url, json=body) as resp,
+        ):
+            if resp.status_code != 200:
+                raise DLMError(_http_error(resp.read()))
+            for line in resp.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line[5:].strip())
+                if "error" in event:
+                    raise DLMError(str(event["error"]))
+                chunk = Chunk.from_fields(event.get)
+                yield chunk
+                if chunk.final:
+                    return
+
+    def generate_http(
+        self, prompt: str | None = None, *, stream: bool = False, **kwargs: Any
+    ) -> Completion:
+        return _join(self.stream_http(prompt, stream=stream, **kwargs))
+
+    # ------------------------------------------------------------------ server
+    def ready(self) -> bool:
+        """Is the model ready (HTTP)?"""
+        import httpx
+
+        try:
+            r = httpx.get(f"{self.http_url}/v2/models/{self.model}/ready", timeout=5)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+
+def _first(array: np.ndarray | None) -> Any:
+    if array is None:
+        return None
+    flat = array.reshape(-1)
+    return (
+        flat[0].item() if hasattr(flat[0], "item") and not isinstance(flat[0], bytes) else flat[0]
+    )
+
+
+def _join(chunks: Iterator[Chunk]) -> Completion:
+    parts, last, count = [], None, 0
+    for chunk in chunks:
+        parts.append(chunk.text)
+        last, count = chunk, count + 1
+    if last is None:
+        raise DLMError("the stream ended without a response")
+    return Completion("".join(parts), last.finish_reason, last.prompt_tokens,
+                      last.completion_tokens, last.steps, count)  # fmt: skip
+
+
+def _error_message(error: Any) -> str:
+    message = error.message() if hasattr(error, "message") else str(error)
+    return str(message)
+
+
+def _http_error(body: bytes) -> str:
+    try:
+        return str(json.loads(body).get("error", body.decode(errors="replace")))
+    except (json.JSONDecodeError, AttributeError):
+        return body.decode(errors="replace")

@@ -1,0 +1,163 @@
+"""``dlm-triton``: ``serve`` a model on tritonserver (+ OpenAI proxy), ``generate`` against it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from dlm_triton.launcher import DEFAULT_MODEL, Ports, TritonServerProcess
+
+
+def _serve_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="start tritonserver (and the OpenAI proxy) for one model")
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"checkpoint directory, hub id, or name in model_repository/ (default {DEFAULT_MODEL})",
+    )
+    p.add_argument("--model-name", help="Triton model name for a checkpoint directory")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument(
+        "--dtype", help="auto (the checkpoint's torch_dtype), bfloat16, float16, float32"
+    )
+    p.add_argument("--quantization", help="none, int8, nf4 (bitsandbytes)")
+    p.add_argument("--max-rows", type=int, help="rows per denoising step")
+    p.add_argument("--max-canvas", type=int, help="max_tokens ceiling")
+    p.add_argument("--max-prompt", type=int, help="prompt tokens ceiling")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in Docker)")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--proxy-port", type=int, default=9000)
+    p.add_argument("--no-proxy", action="store_true", help="serve Triton only")
+    p.add_argument("--gpu-metrics", action="store_true", help="force --allow-gpu-metrics")
+    p.add_argument("--exit-timeout", type=int, default=10, help="Triton's exit timeout (s)")
+    p.add_argument("--ready-timeout", type=float, default=1800.0, help="model load limit (s)")
+    p.add_argument("--log-file", type=Path, help="tritonserver log (default: this terminal)")
+    p.add_argument("--verbose", action="store_true", help="tritonserver --log-verbose=1")
+
+
+def _generate_parser(sub: Any) -> None:
+    p = sub.add_parser("generate", help="send one prompt to a running server")
+    p.add_argument("prompt")
+    p.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC address")
+    p.add_argument("--http-url", help="Triton HTTP base (with --http)")
+    p.add_argument("--http", action="store_true", help="use HTTP generate_stream instead of gRPC")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--stream", action="store_true", help="print deltas as they commit")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--chat", dest="chat", action="store_true", default=True,
+                      help="apply the chat template (default)")  # fmt: skip
+    mode.add_argument("--raw", dest="chat", action="store_false", help="raw prompt, no template")
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--block-length", type=int)
+    p.add_argument("--algorithm")
+    p.add_argument("--threshold", type=float)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--param", action="append", default=[], metavar="KEY=JSON",
+                   help="any other sampling key, e.g. --param cache='\"prefix\"'")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the final usage as JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dlm-triton", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _generate_parser(sub)
+    return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    engine_params = {
+        k: str(v)
+        for k, v in {
+            "max_rows": args.max_rows,
+            "max_canvas": args.max_canvas,
+            "max_prompt": args.max_prompt,
+        }.items()
+        if v is not None
+    }
+    server = TritonServerProcess(
+        args.model,
+        model_name=args.model_name,
+        device=args.device,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        engine_params=engine_params,
+        ports=Ports(args.http_port, args.grpc_port, args.metrics_port, args.proxy_port),
+        address=args.host,
+        proxy=not args.no_proxy,
+        log_path=args.log_file,
+        ready_timeout_s=args.ready_timeout,
+        exit_timeout_s=args.exit_timeout,
+        gpu_metrics=True if args.gpu_metrics else None,
+        verbose=args.verbose,
+    )
+    print(f"starting tritonserver for {args.model or DEFAULT_MODEL} ...", file=sys.stderr)
+    server.start()
+    print(f"ready: {server.describe()}", flush=True)
+    print(
+        f"try: dlm-triton generate 'Hello' --model {server.model_name} "
+        f"--url {server.urls['grpc']} --stream   (Ctrl-C stops)",
+        flush=True,
+    )
+    return server.serve_forever()
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ("max_tokens", "steps", "block_length", "algorithm", "threshold", "temperature", "seed")
+    sampling = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+    for item in args.param:
+        key, _, value = item.partition("=")
+        try:
+            sampling[key] = json.loads(value)
+        except json.JSONDecodeError:
+            sampling[key] = value
+    return sampling
+
+
+def generate(args: argparse.Namespace) -> int:
+    from dlm_client import DLMClient, DLMError
+
+    client = DLMClient(args.url, args.model, http_url=args.http_url)
+    prompt_kw: dict[str, Any] = (
+        {"messages": [{"role": "user", "content": args.prompt}]}
+        if args.chat
+        else {"prompt": args.prompt}
+    )
+    chunks = (client.stream_http if args.http else client.stream)(
+        stream=args.stream, **prompt_kw, **_sampling(args)
+    )
+    last = None
+    try:
+        for chunk in chunks:
+            print(chunk.text, end="" if args.stream else "\n", flush=True)
+            last = chunk
+    except DLMError as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 2
+    if args.stream:
+        print()
+    if args.json and last is not None:
+        usage = {
+            "finish_reason": last.finish_reason,
+            "prompt_tokens": last.prompt_tokens,
+            "completion_tokens": last.completion_tokens,
+            "steps": last.steps,
+        }
+        print(json.dumps(usage))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return {"serve": serve, "generate": generate}[args.command](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""Engine settings of one Triton model instance: config parameters, then env var overrides.
+
+Env vars exist so one committed ``model_repository/`` serves other checkpoints or devices
+without editing ``config.pbtxt`` (Docker, ``dlm-triton serve --model NAME --dtype ...``).
+Kept free of Triton imports so it can be unit-tested.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+# parameter key -> env var that overrides it
+ENV_OVERRIDES = {
+    "checkpoint": "DLM_CHECKPOINT",
+    "dtype": "DLM_DTYPE",
+    "device": "DLM_DEVICE",
+    "quantization": "DLM_QUANTIZATION",
+    "max_rows": "DLM_MAX_ROWS",
+    "max_canvas": "DLM_MAX_CANVAS",
+    "max_prompt": "DLM_MAX_PROMPT",
+    "max_queue": "DLM_MAX_QUEUE",
+}
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "dlm_engine" / "assets"
+
+
+@dataclass
+class InstanceSettings:
+    checkpoint: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    quantization: str = "none"
+    max_rows: int = 16
+    max_canvas: int = 1024
+    max_prompt: int = 2048
+    max_queue: int = 256
+
+
+def config_parameters(model_config: dict) -> dict[str, str]:
+    """``parameters { key: .. value: { string_value: .. } }`` of a parsed model config."""
+    return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+
+
+def resolve_checkpoint(value: str, model_dir: Path | None = None) -> str:
+    """A path if one exists (absolute, relative to the model folder, or an embedded asset);
+    otherwise the value unchanged (a hub id for the engine's loader)."""
+    candidates = [Path(value).expanduser()]
+    if model_dir is not None:
+        candidates.append(model_dir / value)
+    candidates.append(ASSETS_DIR / value)
+    for path in candidates:
+        if path.is_dir():
+            return str(path.resolve())
+    return value
+
+
+def resolve_settings(
+    params: dict[str, str],
+    *,
+    kind: str = "CPU",
+    device_id: int = 0,
+    model_dir: Path | None = None,
+    environ: dict[str, str] | None = None,
+) -> InstanceSettings:
+    """Merge config parameters and env overrides; pin ``cuda`` to this instance's GPU."""
+    env = os.environ if environ is None else environ
+    merged = {k: v for k, v in params.items() if v != ""}
+    for key, var in ENV_OVERRIDES.items():
+        if env.get(var):
+            merged[key] = env[var]
+    if "checkpoint" not in merged:
+        raise ValueError("model config has no 'checkpoint' parameter (nor DLM_CHECKPOINT)")
+    device = merged.get("device") or ("cuda" if kind == "GPU" else "cpu")
+    if device == "cuda" and kind == "GPU":
+        device = f"cuda:{device_id}"  # one engine per listed GPU
+    ints = {}
+    for key in ("max_rows", "max_canvas", "max_prompt", "max_queue"):
+        if key in merged:
+            try:
+                ints[key] = int(merged[key])
+            except ValueError as exc:
+                raise ValueError(
+                    f"parameter {key} must be an integer, got {merged[key]!r}"
+                ) from exc
+    return InstanceSettings(
+        checkpoint=resolve_checkpoint(merged["checkpoint"], model_dir),
+        dtype=merged.get("dtype", "auto"),
+        device=device,
+        quantization=merged.get("quantization", "none"),
+        **ints,
+    )

@@ -1,0 +1,316 @@
+"""The one Triton adapter: ``TritonPythonModel`` for every model in ``model_repository/``.
+
+Decoupled, in the manner of Triton's vllm_backend: ``execute()`` validates each request, hands
+it to the engine thread (``dlm_engine.EngineLoop``) and returns ``None``. Engine outputs go to a
+queue; a sender thread turns them into responses (``send()`` costs ~55 us, too much for the
+engine thread). A watcher thread turns client cancellations into ``EngineLoop.cancel``. Every
+request ends with exactly one ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``: on success, error,
+cancel and shutdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dlm_triton.metrics import Metrics
+from dlm_triton.request_parse import PROMPT_INPUTS, RequestError, parse_request
+from dlm_triton.settings import config_parameters, resolve_settings
+
+try:  # only importable inside the Python backend stub
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # pragma: no cover - docs, linters, unit tests
+    pb_utils = None
+
+INPUT_NAMES = (*PROMPT_INPUTS, "stream", "sampling_parameters")
+WATCH_INTERVAL_S = 0.02
+DRAIN_TIMEOUT_S = float(os.environ.get("DLM_DRAIN_TIMEOUT", "5"))
+
+
+@dataclass
+class _Live:
+    """A request between ``execute()`` and its final response."""
+
+    rid: str
+    request: Any
+    sender: Any
+    stream: bool
+    t0: float
+    first_text_at: float | None = None
+    cancel_requested: bool = False
+    closed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _bytes_tensor(name: str, text: str) -> Any:
+    return pb_utils.Tensor(name, np.array([[text.encode("utf-8")]], dtype=np.object_))
+
+
+def _int_tensor(name: str, value: int | None) -> Any:
+    return pb_utils.Tensor(name, np.array([[int(value or 0)]], dtype=np.int32))
+
+
+class TritonPythonModel:
+    """Maps Triton requests to engine requests and engine outputs to (streamed) responses."""
+
+    # ------------------------------------------------------------------ lifecycle
+    def initialize(self, args: dict[str, str]) -> None:
+        from dlm_engine import Engine, EngineConfig, EngineLoop
+
+        model_config = json.loads(args["model_config"])
+        self.model_name = args["model_name"]
+        model_dir = Path(args.get("model_repository", ".")).resolve()
+        self.settings = resolve_settings(
+            config_parameters(model_config),
+            kind=args.get("model_instance_kind", "CPU"),
+            device_id=int(args.get("model_instance_device_id") or 0),
+            model_dir=model_dir.parent if model_dir.name.isdigit() else model_dir,
+        )
+        s = self.settings
+        wanted = {
+            "model": s.checkpoint,
+            "dtype": s.dtype,
+            "device": s.device,
+            "max_rows": s.max_rows,
+            "max_canvas": s.max_canvas,
+            "max_prompt": s.max_prompt,
+            "max_queue": s.max_queue,
+            "quantization": None if s.quantization in ("", "none") else s.quantization,
+        }
+        accepted = {f.name for f in fields(EngineConfig)}
+        if "quantization" not in accepted and wanted["quantization"]:
+            raise ValueError(f"this engine does not support quantization={s.quantization!r}")
+        self.engine = Engine(EngineConfig(**{k: v for k, v in wanted.items() if k in accepted}))
+        self.metrics = Metrics(pb_utils, self.model_name, args.get("model_instance_name", "0"))
+        self._instrument_step()
+
+        self._live: dict[str, _Live] = {}
+        self._live_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._outbox: queue.Queue = queue.Queue()
+        self._closing = False
+        self._stop = threading.Event()
+        self.loop = EngineLoop(self.engine)
+        self._sender = threading.Thread(target=self._send_loop, name="dlm-sender", daemon=True)
+        self._watcher = threading.Thread(target=self._watch_loop, name="dlm-watch", daemon=True)
+        self._sender.start()
+        self._watcher.start()
+        pb_utils.Logger.log_info(
+            f"dlm model {self.model_name}: checkpoint={s.checkpoint} device={s.device} "
+            f"dtype={s.dtype} max_rows={s.max_rows}"
+        )
+
+    def _instrument_step(self) -> None:
+        """Rows per step and step time: wrap this engine instance's ``step`` (the engine API
+        has no step callback yet; one output per row touched is its documented contract)."""
+        original = self.engine.step
+        metrics = self.metrics
+
+        def step() -> list:
+            t = time.perf_counter()
+            outputs = original()
+            if outputs:
+                metrics.step_seconds.observe(time.perf_counter() - t)
+                metrics.rows_per_step.observe(len(outputs))
+            return outputs
+
+        self.engine.step = step
+
+    def finalize(self) -> None:
+        """Stop accepting, let running requests finish for a bounded time, abort the rest,
+        and end every request still open with a final response."""
+        self._closing = True
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while self._live and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for live in list(self._live.values()):
+            self.loop.cancel(live.rid)
+        deadline = time.monotonic() + 2.0
+        while self._live and time.monotonic() < deadline:
+            time.sleep(0.02)
+        try:
+            self.loop.shutdown(timeout=5.0)
+        except Exception as exc:  # finalize must finish every request anyway
+            pb_utils.Logger.log_warn(f"engine loop shutdown: {exc}")
+        self._outbox.put(None)
+        self._sender.join(timeout=5.0)
+        self._stop.set()
+        for live in list(self._live.values()):
+            self._fail(live, "internal error: the model was unloaded before the request finished")
+
+    # ------------------------------------------------------------------ requests
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            self._accept(request)
+        return None
+
+    def _accept(self, request: Any) -> None:
+        from dlm_engine import InvalidRequestError, SamplingParams
+
+        sender = request.get_response_sender()
+        t0 = time.monotonic()
+        try:
+            if self._closing:
+                raise _Refused("overloaded: the model is shutting down")
+            if len(self._live) >= self.settings.max_queue:
+                raise _Refused(f"overloaded: {len(self._live)} requests in flight, try again later")
+            parsed = parse_request(self._inputs(request), request.parameters())
+            params = SamplingParams.from_dict(parsed.sampling)
+            prompt_ids = self.engine.encode_prompt(
+                **{_ENCODE_KW[parsed.prompt_kind]: parsed.prompt}
+            )
+        except (RequestError, InvalidRequestError) as exc:
+            return self._reject(sender, str(exc), "invalid")
+        except _Refused as exc:
+            return self._reject(sender, str(exc), "overloaded")
+        except Exception as exc:  # any failure must still end the request
+            return self._reject(sender, f"internal error: {type(exc).__name__}: {exc}", "error")
+
+        rid = f"{request.request_id() or 'req'}#{next(self._ids)}"
+        live = _Live(rid, request, sender, parsed.stream, t0)
+        with self._live_lock:
+            self._live[rid] = live
+            self.metrics.queue_depth.set(len(self._live))
+        self.loop.submit(
+            rid, prompt_ids, params, lambda out, live=live: self._outbox.put((live, out))
+        )
+
+    def _inputs(self, request: Any) -> dict[str, np.ndarray]:
+        present = {}
+        for name in INPUT_NAMES:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                present[name] = tensor.as_numpy()
+        return present
+
+    def _reject(self, sender: Any, message: str, outcome: str) -> None:
+        error = pb_utils.TritonError(message)
+        sender.send(
+            pb_utils.InferenceResponse(output_tensors=[], error=error),
+            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+        )
+        self.metrics.outcome(outcome)
+
+    # ------------------------------------------------------------------ sender thread
+    def _send_loop(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            live, out = item
+            try:
+                self._deliver(live, out)
+            except Exception as exc:  # never lose the final flag
+                self._fail(live, f"internal error: {type(exc).__name__}: {exc}")
+
+    def _deliver(self, live: _Live, out: Any) -> None:
+        if live.closed:
+            return
+        error = getattr(out, "error", None)
+        if error:
+            message = str(error)
+            if not message.startswith(("invalid request:", "overloaded:", "internal error:")):
+                message = f"internal error: {message}"
+            self._fail(live, message)
+            return
+        if out.delta_text and live.first_text_at is None:
+            live.first_text_at = time.monotonic()
+            self.metrics.ttft.observe(live.first_text_at - live.t0)
+        if not out.finished:
+            if live.stream and (out.delta_text or out.canvas is not None):
+                self._send(live, self._response(out.delta_text, "", out), final=False)
+            return
+        text = out.delta_text if live.stream else out.text
+        reason = out.finish_reason or "stop"
+        self._send(live, self._response(text or "", reason, out), final=True)
+        m = self.metrics
+        m.outcome(reason)
+        m.e2e.observe(time.monotonic() - live.t0)
+        m.generated_tokens.increment(int(out.completion_tokens or 0))
+        if out.steps:
+            m.steps_per_request.observe(out.steps)
+            m.tokens_per_forward.observe((out.completion_tokens or 0) / out.steps)
+
+    def _response(self, text: str, finish_reason: str, out: Any) -> Any:
+        canvas = json.dumps(out.canvas) if getattr(out, "canvas", None) is not None else ""
+        return pb_utils.InferenceResponse(
+            output_tensors=[
+                _bytes_tensor("text_output", text or ""),
+                _bytes_tensor("finish_reason", finish_reason),
+                _int_tensor("prompt_tokens", out.prompt_tokens),
+                _int_tensor("completion_tokens", out.completion_tokens),
+                _int_tensor("steps", out.steps),
+                _bytes_tensor("canvas", canvas),
+            ]
+        )
+
+    def _send(self, live: _Live, response: Any, final: bool) -> None:
+        with live.lock:
+            if live.closed:
+                return
+            flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+            try:
+                live.sender.send(response, flags=flags)
+            except Exception:  # e.g. the client went away: still end it
+                if not final:
+                    return
+                with contextlib.suppress(Exception):  # nothing left to tell the client
+                    live.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            if final:
+                self._close(live)
+
+    def _fail(self, live: _Live, message: str) -> None:
+        """Final error response (once), counted by outcome."""
+        with live.lock:
+            if live.closed:
+                return
+            try:
+                live.sender.send(
+                    pb_utils.InferenceResponse(
+                        output_tensors=[], error=pb_utils.TritonError(message)
+                    ),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
+            except Exception:  # cancelled or closed sender
+                with contextlib.suppress(Exception):
+                    live.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self._close(live)
+        self.metrics.outcome("invalid" if message.startswith("invalid request:") else "error")
+
+    def _close(self, live: _Live) -> None:
+        live.closed = True
+        with self._live_lock:
+            self._live.pop(live.rid, None)
+            self.metrics.queue_depth.set(len(self._live))
+
+    # ------------------------------------------------------------------ watcher thread
+    def _watch_loop(self) -> None:
+        """Client cancel / disconnect -> the row leaves the batch before the next step."""
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            for live in list(self._live.values()):
+                if live.cancel_requested or live.closed:
+                    continue
+                try:
+                    cancelled = live.request.is_cancelled()
+                except Exception:  # a finished request may be gone already
+                    continue
+                if cancelled:
+                    live.cancel_requested = True
+                    self.loop.cancel(live.rid)
+
+
+class _Refused(Exception):
+    """Not accepted now (queue full, shutting down); the message carries its prefix."""
+
+
+_ENCODE_KW = {"text_input": "text", "messages": "messages", "input_ids": "input_ids"}
