@@ -17,16 +17,19 @@ from typing import Any
 OUT = Path(__file__).resolve().parent / "dashboards" / "dlm-triton.json"
 DATASOURCE = {"type": "prometheus", "uid": "dlm-prometheus"}
 
-# Our metrics (dlm_triton/triton_model.py) and Triton's own (nv_*), by role.
+# Our metrics (dlm_triton/metrics.py, openai_proxy/app.py) and Triton's own (nv_*), by role.
 M = {
-    "batch_rows": "dlm_batch_rows",  # histogram: rows in each engine step
-    "step_seconds": "dlm_step_duration_seconds",  # histogram: one denoising step
-    "queue_depth": "dlm_queue_depth",  # gauge: requests waiting for a row
-    "running": "dlm_running_requests",  # gauge: rows generating now
+    "rows_per_step": "dlm_rows_per_step",  # histogram: rows in each engine forward
+    "step_seconds": "dlm_step_duration_seconds",  # histogram: one engine step
+    "queue_depth": "dlm_queue_depth",  # gauge: accepted, not finished (waiting + running)
     "ttft_seconds": "dlm_time_to_first_token_seconds",  # histogram
-    "e2e_seconds": "dlm_request_duration_seconds",  # histogram
+    "e2e_seconds": "dlm_request_latency_seconds",  # histogram
     "tokens_total": "dlm_generated_tokens_total",  # counter
-    "requests_total": "dlm_requests_total",  # counter, label finish_reason
+    "requests_total": "dlm_requests_total",  # counter, label outcome
+    "tokens_per_forward": "dlm_tokens_per_forward",  # histogram, per finished request
+    "steps_per_request": "dlm_steps_per_request",  # histogram
+    "proxy_requests": "dlm_proxy_requests_total",  # counter, labels route, status
+    "proxy_in_flight": "dlm_proxy_in_flight_requests",  # gauge
     "nv_pending": "nv_inference_pending_request_count",
     "nv_gpu_util": "nv_gpu_utilization",
     "nv_gpu_mem_used": "nv_gpu_memory_used_bytes",
@@ -125,15 +128,15 @@ def build() -> dict[str, Any]:
         "Committed completion tokens per second (canvas padding not counted).",
     )
     g.timeseries(
-        "Finished requests/s by finish reason",
+        "Finished requests/s by outcome",
         [
             (
-                f"sum by (model, finish_reason) (rate({M['requests_total']}[$__rate_interval]))",
-                "{{model}} {{finish_reason}}",
+                f"sum by (model, outcome) (rate({M['requests_total']}[$__rate_interval]))",
+                "{{model}} {{outcome}}",
             )
         ],
         "reqps",
-        "stop / length / abort / error per second.",
+        "stop / length / abort / error / invalid / overloaded per second.",
     )
     g.row("Latency")
     g.timeseries(
@@ -151,25 +154,31 @@ def build() -> dict[str, Any]:
     g.row("Engine steps and queue")
     g.timeseries(
         "Rows per step (batch size)",
-        [(_mean(M["batch_rows"]), "mean {{model}}")] + _quantiles(M["batch_rows"])[2:],
+        [(_mean(M["rows_per_step"]), "mean {{model}}")] + _quantiles(M["rows_per_step"])[2:],
         "short",
         "How many requests share one denoising forward.",
     )
     g.timeseries(
-        "Queue depth and running rows",
+        "Queue depth",
         [
-            (f"sum by (model) ({M['queue_depth']})", "waiting {{model}}"),
-            (f"sum by (model) ({M['running']})", "running {{model}}"),
+            (f"sum by (model) ({M['queue_depth']})", "in engine {{model}}"),
             (f"sum by (model) ({M['nv_pending']})", "Triton pending {{model}}"),
         ],
         "short",
-        "Requests waiting for a free row, rows generating, and Triton's own pending count.",
+        "Requests accepted by the engine and not finished (waiting + running), and requests "
+        "Triton holds before execute().",
     )
     g.timeseries(
         "Step time",
         [(_mean(M["step_seconds"]), "mean {{model}}")] + _quantiles(M["step_seconds"])[1:],
         "s",
         "Duration of one engine step (one batched forward plus selection).",
+    )
+    g.timeseries(
+        "Tokens per forward",
+        [(_mean(M["tokens_per_forward"]), "mean {{model}}")],
+        "short",
+        "Completion tokens committed per denoising forward (> 1 with threshold decoding).",
     )
     g.row("GPU")
     g.timeseries(
@@ -192,6 +201,24 @@ def build() -> dict[str, Any]:
         [(M["nv_gpu_power"], "{{gpu_uuid}}")],
         "watt",
         "Power draw per GPU.",
+    )
+    g.row("OpenAI proxy")
+    g.timeseries(
+        "Proxy responses/s by status",
+        [
+            (
+                f"sum by (route, status) (rate({M['proxy_requests']}[$__rate_interval]))",
+                "{{route}} {{status}}",
+            )
+        ],
+        "reqps",
+        "HTTP answers of the proxy: 4xx are client errors, 429/503 mean Triton is saturated.",
+    )
+    g.timeseries(
+        "Proxy calls in flight",
+        [(f"sum({M['proxy_in_flight']})", "in flight")],
+        "short",
+        "Chat and completion calls being served (streams included).",
     )
     return {
         "uid": "dlm-triton",

