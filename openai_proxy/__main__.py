@@ -1,0 +1,45 @@
+"""`python -m openai_proxy --port 9000 --triton-url localhost:8001`: serve with uvicorn.
+
+On SIGTERM/SIGINT uvicorn stops accepting connections and lets running responses (streams
+included) finish for up to --drain-timeout seconds before the lifespan closes the Triton clients.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+
+from .app import create_app
+from .config import config_from_args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        cfg = config_from_args(argv)
+    except ValueError as exc:
+        print(f"openai_proxy: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(cfg),
+            host=cfg.host,
+            port=cfg.port,
+            log_level=cfg.log_level,
+            timeout_graceful_shutdown=max(1, round(cfg.drain_timeout_s)),
+            lifespan="on",
+            proxy_headers=False,
+        )
+    )
+    server.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

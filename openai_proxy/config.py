@@ -1,0 +1,164 @@
+"""Proxy settings from environment variables and command-line flags.
+
+Every setting has an environment variable (`DLM_PROXY_*`) so containers can be configured
+without a command line; a flag given on the command line wins over the variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+
+ENV_PREFIX = "DLM_PROXY_"
+
+
+def _split_list(value: str) -> list[str]:
+    """Comma-separated list; empty items dropped so `""` means no entries."""
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def _parse_bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+@dataclass
+class ProxyConfig:
+    """All knobs of the proxy. Defaults suit a local `dlm-triton serve`."""
+
+    host: str = "0.0.0.0"
+    port: int = 9000
+    # gRPC endpoints of one or more tritonservers serving the same models (round-robin).
+    triton_urls: list[str] = field(default_factory=lambda: ["localhost:8001"])
+    # Where Triton's Prometheus metrics live; /metrics points there.
+    triton_metrics_url: str = "http://localhost:8002/metrics"
+    # Bearer keys accepted on /v1/*; empty list = auth off.
+    api_keys: list[str] = field(default_factory=list)
+    # Upper bound on max_tokens (canvas length) a client may ask for.
+    max_tokens_limit: int = 4096
+    # Upper bound on n (choices per prompt) and on the total Triton requests one call fans out to.
+    max_n: int = 16
+    max_fanout: int = 64
+    # Request bodies larger than this get 413 before they are parsed.
+    max_request_bytes: int = 1 << 20
+    # Allowed CORS origins; empty = CORS off, "*" = any.
+    cors_origins: list[str] = field(default_factory=list)
+    # Whole-request timeout (seconds) for one Triton stream.
+    request_timeout_s: float = 600.0
+    # Timeout for health and index calls to Triton.
+    health_timeout_s: float = 2.0
+    # How often each Triton URL is probed for readiness and its model list.
+    health_interval_s: float = 2.0
+    # How long a streaming request waits for its first Triton event before sending headers, so
+    # that an immediate `invalid request:` from the model becomes a real HTTP 400.
+    first_event_wait_s: float = 2.0
+    # Seconds to let in-flight requests finish on shutdown before they are cancelled.
+    drain_timeout_s: float = 30.0
+    # Retry-After value (seconds) on 503 answers.
+    retry_after_s: int = 2
+    log_level: str = "info"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ProxyConfig:
+        """Build from `DLM_PROXY_<FIELD>` variables, e.g. DLM_PROXY_TRITON_URLS=a:8001,b:8001."""
+        env = os.environ if environ is None else environ
+        cfg = cls()
+        for f in fields(cls):
+            key = ENV_PREFIX + f.name.upper()
+            if key in env:
+                setattr(cfg, f.name, _convert(f.name, getattr(cfg, f.name), env[key]))
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Fail at start-up, not at the first request, on settings that cannot work."""
+        if not self.triton_urls:
+            raise ValueError("at least one Triton gRPC URL is needed (--triton-url)")
+        for name in ("max_tokens_limit", "max_n", "max_fanout", "max_request_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("request_timeout_s", "health_timeout_s", "health_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.first_event_wait_s < 0 or self.drain_timeout_s < 0:
+            raise ValueError("first_event_wait_s and drain_timeout_s must be >= 0")
+
+
+def _convert(name: str, current: object, raw: str) -> object:
+    """Convert an environment string to the type of the field's default."""
+    if isinstance(current, bool):
+        return _parse_bool(raw)
+    if isinstance(current, int):
+        return int(raw)
+    if isinstance(current, float):
+        return float(raw)
+    if isinstance(current, list):
+        return _split_list(raw)
+    return raw
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    """Flags mirror the config fields; defaults come from the environment (see from_env)."""
+    p = argparse.ArgumentParser(
+        prog="python -m openai_proxy",
+        description="OpenAI-compatible HTTP proxy in front of tritonserver (diffusion LMs).",
+    )
+    p.add_argument("--host", help="bind address (DLM_PROXY_HOST, default 0.0.0.0)")
+    p.add_argument("--port", type=int, help="HTTP port (DLM_PROXY_PORT, default 9000)")
+    p.add_argument(
+        "--triton-url",
+        action="append",
+        dest="triton_urls",
+        metavar="HOST:PORT",
+        help="Triton gRPC endpoint; repeat or comma-separate for round-robin "
+        "(DLM_PROXY_TRITON_URLS, default localhost:8001)",
+    )
+    p.add_argument("--triton-metrics-url", help="Triton metrics URL shown by /metrics")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        dest="api_keys",
+        metavar="KEY",
+        help="accepted bearer key; repeat for several; none = auth off (DLM_PROXY_API_KEYS)",
+    )
+    p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens accepted")
+    p.add_argument("--max-n", type=int, help="largest n accepted")
+    p.add_argument("--max-fanout", type=int, help="largest prompts x n per call")
+    p.add_argument("--max-request-bytes", type=int, help="body size limit (413 above)")
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        dest="cors_origins",
+        metavar="ORIGIN",
+        help="allowed CORS origin ('*' for any); repeat for several",
+    )
+    p.add_argument("--request-timeout", type=float, dest="request_timeout_s")
+    p.add_argument("--health-timeout", type=float, dest="health_timeout_s")
+    p.add_argument("--health-interval", type=float, dest="health_interval_s")
+    p.add_argument("--first-event-wait", type=float, dest="first_event_wait_s")
+    p.add_argument("--drain-timeout", type=float, dest="drain_timeout_s")
+    p.add_argument("--retry-after", type=int, dest="retry_after_s")
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def config_from_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> ProxyConfig:
+    """Environment first, then flags on top."""
+    cfg = ProxyConfig.from_env(environ)
+    args = build_arg_parser().parse_args(argv)
+    for key, value in vars(args).items():
+        if value is None:
+            continue
+        if key in ("triton_urls", "api_keys", "cors_origins"):
+            value = [item for raw in value for item in _split_list(raw)]
+        setattr(cfg, key, value)
+    cfg.validate()
+    return cfg

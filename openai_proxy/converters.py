@@ -1,0 +1,229 @@
+"""OpenAI request → Triton jobs, and Triton results → OpenAI response bodies.
+
+Kept free of tritonclient and numpy so it is unit-tested without a server: a `TritonJob` holds
+plain Python values; `triton_backend` turns them into tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import ProxyConfig
+from .errors import InvalidRequest
+from .schemas import (
+    DIFFUSION_KEYS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _RequestBase,
+)
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass
+class TritonJob:
+    """One Triton request: one prompt, one choice."""
+
+    request_id: str
+    choice_index: int
+    prompt_index: int
+    # Exactly one of the three prompt inputs of the Triton contract.
+    prompt_input: str  # "messages" | "text_input" | "input_ids"
+    prompt_value: str | list[int]
+    sampling_parameters: dict[str, Any]
+    stream: bool
+
+
+@dataclass
+class TritonEvent:
+    """One Triton response, decoded (see the output table in docs/architecture.md)."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    steps: int = 0
+    canvas: list[str | None] | None = None
+    final: bool = False
+
+
+@dataclass
+class ChoiceResult:
+    """What a finished choice accumulated."""
+
+    index: int
+    prompt_index: int
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sampling_parameters(req: _RequestBase, choice: int, limits: ProxyConfig) -> dict[str, Any]:
+    """The `sampling_parameters` JSON for choice `choice` (seed + choice when seeded)."""
+    max_tokens = req.effective_max_tokens()
+    if max_tokens is not None and max_tokens > limits.max_tokens_limit:
+        raise InvalidRequest(
+            f"max_tokens {max_tokens} exceeds this server's limit of {limits.max_tokens_limit}",
+            param="max_tokens",
+            code="invalid_value",
+        )
+    params: dict[str, Any] = {}
+    if max_tokens is not None:
+        params["max_tokens"] = max_tokens
+    for key in ("temperature", "top_p", "top_k"):
+        value = getattr(req, key)
+        if value is not None:
+            params[key] = value
+    if req.seed is not None:
+        params["seed"] = req.seed + choice
+    stops = req.stop_list()
+    if stops:
+        params["stop"] = stops
+    for key in DIFFUSION_KEYS:
+        value = getattr(req, key)
+        if value is not None:
+            params[key] = value
+    return params
+
+
+def _check_fanout(prompts: int, n: int, limits: ProxyConfig) -> None:
+    if n > limits.max_n:
+        raise InvalidRequest(
+            f"n={n} exceeds this server's limit of {limits.max_n}", param="n", code="invalid_value"
+        )
+    if prompts * n > limits.max_fanout:
+        raise InvalidRequest(
+            f"{prompts} prompts x n={n} = {prompts * n} generations exceed this server's "
+            f"limit of {limits.max_fanout}",
+            param="n",
+            code="invalid_value",
+        )
+
+
+def messages_json(req: ChatCompletionRequest) -> str:
+    """The `messages` input: OpenAI messages flattened to {role, content} strings.
+
+    `developer` is OpenAI's newer name for `system`; chat templates of the served checkpoints
+    only know `system`.
+    """
+    out = []
+    for m in req.messages:
+        role = "system" if m.role == "developer" else m.role
+        out.append({"role": role, "content": m.text()})
+    return json.dumps(out, ensure_ascii=False)
+
+
+def chat_jobs(req: ChatCompletionRequest, base_id: str, limits: ProxyConfig) -> list[TritonJob]:
+    """n jobs for one chat request."""
+    _check_fanout(1, req.n, limits)
+    msgs = messages_json(req)
+    return [
+        TritonJob(
+            request_id=f"{base_id}-{i}",
+            choice_index=i,
+            prompt_index=0,
+            prompt_input="messages",
+            prompt_value=msgs,
+            sampling_parameters=sampling_parameters(req, i, limits),
+            stream=req.stream,
+        )
+        for i in range(req.n)
+    ]
+
+
+def completion_jobs(req: CompletionRequest, base_id: str, limits: ProxyConfig) -> list[TritonJob]:
+    """len(prompts) * n jobs; choice index = prompt_index * n + i as in OpenAI."""
+    prompts = req.prompts()
+    _check_fanout(len(prompts), req.n, limits)
+    jobs = []
+    for p_idx, prompt in enumerate(prompts):
+        for i in range(req.n):
+            index = p_idx * req.n + i
+            jobs.append(
+                TritonJob(
+                    request_id=f"{base_id}-{index}",
+                    choice_index=index,
+                    prompt_index=p_idx,
+                    prompt_input="text_input" if isinstance(prompt, str) else "input_ids",
+                    prompt_value=prompt,
+                    sampling_parameters=sampling_parameters(req, i, limits),
+                    stream=req.stream,
+                )
+            )
+    return jobs
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    """Triton's `stop` / `length` pass through; anything else is not an OpenAI reason."""
+    if reason in FINISH_REASONS:
+        return reason
+    return None
+
+
+def usage_of(results: list[ChoiceResult]) -> dict[str, int]:
+    """Prompt tokens counted once per prompt (as OpenAI does for n > 1), completions summed."""
+    prompt_tokens: dict[int, int] = {}
+    for r in results:
+        prompt_tokens[r.prompt_index] = max(prompt_tokens.get(r.prompt_index, 0), r.prompt_tokens)
+    p = sum(prompt_tokens.values())
+    c = sum(r.completion_tokens for r in results)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def chat_response(
+    response_id: str, created: int, model: str, results: list[ChoiceResult]
+) -> dict[str, Any]:
+    results = sorted(results, key=lambda r: r.index)
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": r.index,
+                "message": {"role": "assistant", "content": r.text},
+                "finish_reason": openai_finish_reason(r.finish_reason),
+                "logprobs": None,
+            }
+            for r in results
+        ],
+        "usage": usage_of(results),
+        "system_fingerprint": None,
+    }
+
+
+def completion_response(
+    response_id: str, created: int, model: str, results: list[ChoiceResult]
+) -> dict[str, Any]:
+    results = sorted(results, key=lambda r: r.index)
+    return {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": r.index,
+                "text": r.text,
+                "finish_reason": openai_finish_reason(r.finish_reason),
+                "logprobs": None,
+            }
+            for r in results
+        ],
+        "usage": usage_of(results),
+    }

@@ -1,0 +1,499 @@
+"""Pydantic models of the OpenAI API subset we serve, plus the diffusion extensions.
+
+Request models forbid unknown fields and reject OpenAI features a diffusion model cannot honour
+(logprobs, tools, response_format, penalties, ...) with a 400 naming the field, instead of
+silently ignoring them. Neutral values (`presence_penalty: 0`, `logprobs: false`, ...) that chat
+UIs send by default are accepted. Ranges are declared on the fields so they show in /docs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import SkipJsonSchema
+
+Algorithm = Literal[
+    "low_confidence", "random", "origin", "maskgit_plus", "topk_margin", "entropy", "threshold"
+]
+StreamMode = Literal["delta", "denoise"]
+CacheMode = Literal["none", "prefix", "dual"]
+
+# Alias groups from docs/architecture.md; the first name is canonical.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "max_tokens": ("max_tokens", "max_new_tokens", "gen_length"),
+    "steps": ("steps", "num_denoising_steps", "diffusion_steps"),
+    "algorithm": ("algorithm", "remasking", "alg"),
+    "block_length": ("block_length", "block_size"),
+}
+
+# OpenAI fields we know but cannot honour. Value = the neutral values accepted silently.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "parallel_tool_calls": (None, False, True),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+}
+
+# Diffusion keys forwarded to Triton's `sampling_parameters` JSON as they are.
+DIFFUSION_KEYS = (
+    "steps",
+    "block_length",
+    "algorithm",
+    "threshold",
+    "alg_temp",
+    "cfg_scale",
+    "stream_mode",
+    "suppress_eos",
+    "cache",
+)
+
+_Unsupported = SkipJsonSchema[Any]
+
+
+class StreamOptions(BaseModel):
+    """OpenAI `stream_options`; unknown sub-fields (e.g. include_obfuscation) are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = Field(
+        False, description="Send a last chunk with `usage` and empty `choices`."
+    )
+
+
+class _RequestBase(BaseModel):
+    """Fields shared by chat and completions: OpenAI sampling plus the diffusion extensions."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    model: str = Field(..., min_length=1, description="A model id from GET /v1/models.")
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        validation_alias=AliasChoices(*ALIASES["max_tokens"]),
+        description="Canvas length: tokens generated at most (aliases: max_new_tokens, "
+        "gen_length). Default 64. Bounded by the proxy's --max-tokens-limit.",
+    )
+    temperature: float | None = Field(
+        None, ge=0.0, le=2.0, description="0 = greedy (default). Range [0, 2]."
+    )
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus filtering, (0, 1].")
+    top_k: int | None = Field(None, ge=1, description="Top-k filtering (extension), >= 1.")
+    seed: int | None = Field(
+        None,
+        ge=0,
+        le=2**63 - 1,
+        description="Per-request RNG seed: same output batched or alone. With n > 1, "
+        "choice i uses seed + i.",
+    )
+    stop: str | list[str] | None = Field(
+        None, description="Up to 16 stop strings; the text ends before the first match."
+    )
+    n: int = Field(1, ge=1, le=128, description="Choices per prompt (bounded by --max-n).")
+    stream: bool = Field(False, description="Server-sent events, OpenAI chunk format.")
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, description="Accepted for compatibility; not used.")
+
+    # Diffusion extensions (docs/openai_api.md).
+    steps: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        validation_alias=AliasChoices(*ALIASES["steps"]),
+        description="Denoising steps (forwards) at most; default = max_tokens "
+        "(aliases: num_denoising_steps, diffusion_steps).",
+    )
+    block_length: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        validation_alias=AliasChoices(*ALIASES["block_length"]),
+        description="Semi-autoregressive block length (LLaDA); must divide max_tokens "
+        "(alias: block_size). Dream uses the whole canvas.",
+    )
+    algorithm: Algorithm | None = Field(
+        None,
+        validation_alias=AliasChoices(*ALIASES["algorithm"]),
+        description="Remasking / decoding policy (aliases: remasking, alg). LLaDA default "
+        "low_confidence, Dream default entropy.",
+    )
+    threshold: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="Confidence threshold in (0, 1]: commit every masked position of the "
+        "active block whose confidence is at least this (at least one per step).",
+    )
+    alg_temp: float | None = Field(
+        None, ge=0.0, description="Dream: temperature for sampling positions, >= 0."
+    )
+    cfg_scale: float | None = Field(
+        None, ge=0.0, description="LLaDA classifier-free guidance scale, >= 0 (0 = off)."
+    )
+    stream_mode: StreamMode | None = Field(
+        None,
+        description="`delta` (default): only stable committed text as OpenAI deltas. "
+        "`denoise`: chunks also carry `choices[].canvas`, the whole canvas each step "
+        "(token strings, null = still masked). Needs stream=true.",
+    )
+    suppress_eos: bool | None = Field(
+        None, description="LLaDA: forbid EOS while denoising (logits_eos_inf)."
+    )
+    cache: CacheMode | None = Field(
+        None, description="`none` (exact), `prefix` or `dual` (approximate, GPU fast path)."
+    )
+
+    # Known OpenAI fields we reject unless neutral (hidden from the schema; see the docs).
+    logprobs: _Unsupported = None
+    top_logprobs: _Unsupported = None
+    tools: _Unsupported = None
+    tool_choice: _Unsupported = None
+    functions: _Unsupported = None
+    function_call: _Unsupported = None
+    parallel_tool_calls: _Unsupported = None
+    response_format: _Unsupported = None
+    logit_bias: _Unsupported = None
+    presence_penalty: _Unsupported = None
+    frequency_penalty: _Unsupported = None
+    repetition_penalty: _Unsupported = None
+    modalities: _Unsupported = None
+    audio: _Unsupported = None
+    prediction: _Unsupported = None
+    reasoning_effort: _Unsupported = None
+    web_search_options: _Unsupported = None
+    service_tier: _Unsupported = None
+    store: _Unsupported = None
+    metadata: _Unsupported = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_conflicting_aliases(cls, data: Any) -> Any:
+        """`steps` and `diffusion_steps` with different values is a client bug: say so."""
+        if isinstance(data, dict):
+            for canonical, names in ALIASES.items():
+                given = {name: data[name] for name in names if name in data}
+                if len({repr(v) for v in given.values()}) > 1:
+                    raise ValueError(
+                        f"conflicting values for {canonical} via {', '.join(sorted(given))}"
+                    )
+        return data
+
+    @field_validator(*UNSUPPORTED_FIELDS.keys() - {"best_of", "echo", "suffix"}, mode="after")
+    @classmethod
+    def _reject_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return _check_unsupported(info.field_name or "", value)
+
+    @field_validator("stop", mode="after")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        items = [value] if isinstance(value, str) else (value or [])
+        if len(items) > 16:
+            raise ValueError("at most 16 stop strings")
+        if any(s == "" for s in items):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _denoise_needs_stream(self) -> _RequestBase:
+        if self.stream_mode == "denoise" and not self.stream:
+            raise ValueError("stream_mode 'denoise' needs stream=true")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+    # -- helpers used by the converters ---------------------------------------------------------
+
+    def effective_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """True when the value asks for nothing (None, 0, False, {}, the OpenAI default)."""
+    if value is None:
+        return True
+    for ok in neutral:
+        if ok is None:
+            continue
+        if isinstance(value, bool) or isinstance(ok, bool):
+            if value is ok:
+                return True
+        elif isinstance(value, int | float) and isinstance(ok, int | float):
+            if value == ok:
+                return True
+        elif type(value) is type(ok) and value == ok:
+            return True
+    return False
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_unsupported(name: str, value: Any) -> Any:
+    if _is_neutral(value, UNSUPPORTED_FIELDS.get(name, (None,))):
+        return value
+    raise ValueError(f"'{name}' is not supported by the diffusion models served here")
+
+
+# ----------------------------------------------------------------------------------------------
+# Chat
+
+
+class TextContentPart(BaseModel):
+    """Only text parts: the served models read no images or audio."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """An OpenAI chat message; content is a string or a list of text parts."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: str = Field(..., description="system, developer, user or assistant.")
+    content: str | list[TextContentPart] = Field(
+        ..., description="Text, or a list of {type: text, text} parts."
+    )
+    name: str | None = None
+    tool_calls: SkipJsonSchema[Any] = None
+
+    @field_validator("role")
+    @classmethod
+    def _check_role(cls, value: str) -> str:
+        if value in ("tool", "function"):
+            raise ValueError(f"'{value}' messages are not supported (no tool calling)")
+        if value not in ("system", "developer", "user", "assistant"):
+            raise ValueError("role must be one of system, developer, user, assistant")
+        return value
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"content part type {kind!r} is not supported; only 'text'")
+        return value
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, value: Any) -> Any:
+        if value:
+            raise ValueError("tool_calls are not supported")
+        return value
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_RequestBase):
+    """POST /v1/chat/completions. The checkpoint's chat template is applied in Triton."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(
+        None, ge=1, description="Same as max_tokens (newer OpenAI name)."
+    )
+
+    @model_validator(mode="after")
+    def _one_max_tokens(self) -> ChatCompletionRequest:
+        if (
+            self.max_completion_tokens is not None
+            and self.max_tokens is not None
+            and self.max_completion_tokens != self.max_tokens
+        ):
+            raise ValueError("max_tokens and max_completion_tokens disagree; send one")
+        return self
+
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# Completions
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(_RequestBase):
+    """POST /v1/completions. A prompt is sent raw (no chat template)."""
+
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    ) = Field(
+        ...,
+        description="A string, a list of strings, a list of token ids, or a list of lists of "
+        "token ids. Each prompt gets n choices, indexed prompt * n + i.",
+    )
+    best_of: _Unsupported = None
+    echo: _Unsupported = None
+    suffix: _Unsupported = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt_shape(cls, value: Any) -> Any:
+        """One clear message instead of pydantic's four union branches."""
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value:
+            if all(isinstance(v, str) for v in value):
+                return value
+            if all(_is_token_id(v) for v in value):
+                return value
+            if all(isinstance(v, list) and v and all(_is_token_id(t) for t in v) for v in value):
+                return value
+        raise ValueError(
+            "prompt must be a string, a non-empty list of strings, a non-empty list of token "
+            "ids (integers >= 0) or a non-empty list of such lists"
+        )
+
+    @field_validator("best_of", "echo", "suffix", mode="after")
+    @classmethod
+    def _reject_unsupported_completion(cls, value: Any, info: ValidationInfo) -> Any:
+        return _check_unsupported(info.field_name or "", value)
+
+    def prompts(self) -> list[str | list[int]]:
+        """Normalise the four accepted shapes to a list of single prompts."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------------
+# Responses (non-streaming bodies and the documented chunk shapes)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: None = None
+    canvas: list[str | None] | None = Field(
+        None, description="stream_mode=denoise only: the canvas after this step."
+    )
+    steps: int | None = Field(None, description="stream_mode=denoise only: forwards so far.")
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "dlm-triton"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
