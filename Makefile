@@ -1,0 +1,43 @@
+# dlm-triton: `make serve` serves the embedded default model, `make test` runs lint + tests.
+# Both build .venv first (from Debian's Python: the tritonserver stub embeds its libpython).
+
+PYTHON ?= /usr/bin/python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX_URL ?=
+SERVE_ARGS ?=
+PYTEST_ARGS ?=
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+STAMP := $(VENV)/.dlm-installed
+
+.PHONY: venv serve test lint format clean-venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PYTHON) || { echo "installing $(PYTHON) (Debian python3.11)"; \
+	  $(SUDO) apt-get update && $(SUDO) apt-get install -y python3.11; }
+	@$(PYTHON) -c "import ensurepip, venv" 2>/dev/null || { echo "installing python3.11-venv"; \
+	  $(SUDO) apt-get update && $(SUDO) apt-get install -y python3.11-venv; }
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	$(BIN)/pip install -e ".[serve,dev,quant]"
+	@touch $@
+
+serve: venv
+	$(BIN)/dlm-triton serve $(SERVE_ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: venv
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,112 @@
+"""The committed model repository, the request parser and the tritonserver assembly (no server)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from dlm_triton import model_repo
+from dlm_triton.request_parse import RequestError, parse_request
+from dlm_triton.server_dist import TritonNotFoundError, find_server, python_tag
+from dlm_triton.settings import resolve_settings
+
+EXPECTED_MODELS = {"tiny-dlm", "llada-8b-instruct", "llada-1.5", "dream-v0-instruct-7b"}
+
+
+def test_committed_repository_matches_the_template() -> None:
+    assert model_repo.diff_repository() == [], "run: python -m dlm_triton.model_repo"
+    folders = {p.name for p in model_repo.COMMITTED_REPOSITORY.iterdir() if p.is_dir()}
+    assert folders == EXPECTED_MODELS
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_MODELS))
+def test_model_folder_follows_the_contract(name: str) -> None:
+    folder = model_repo.COMMITTED_REPOSITORY / name
+    gpu = (folder / "config.pbtxt").read_text()
+    cpu = (folder / "config_cpu.pbtxt").read_text()
+    assert "kind: KIND_GPU" in gpu and "kind: KIND_CPU" in cpu
+    for text in (gpu, cpu):
+        assert f'name: "{name}"' in text
+        assert 'backend: "python"' in text
+        assert "decoupled: true" in text and "dynamic_batching" in text
+        for tensor in ("text_input", "messages", "input_ids", "stream", "sampling_parameters"):
+            assert re.search(rf'name: "{tensor}" .* optional: true', text), tensor
+        for tensor in (
+            "text_output",
+            "finish_reason",
+            "prompt_tokens",
+            "completion_tokens",
+            "steps",
+            "canvas",
+        ):
+            assert f'name: "{tensor}"' in text
+        assert 'key: "checkpoint"' in text
+    shim = (folder / "1" / "model.py").read_text()
+    assert "from dlm_triton.triton_model import TritonPythonModel" in shim
+    assert len([line for line in shim.splitlines() if line.strip()]) <= 3
+
+
+def test_server_dist_assembles_a_backend_for_this_python(tmp_path) -> None:
+    try:
+        dist = find_server(cache=tmp_path)
+    except TritonNotFoundError:
+        pytest.skip("no tritonserver available")
+    stub = dist.backend_dir / "python" / "triton_python_backend_stub"
+    assert os.access(dist.binary, os.X_OK)
+    if dist.source == "wheel":
+        assert os.access(stub, os.X_OK)
+        assert (dist.backend_dir / "python" / "libtriton_python.so").exists()
+        assert f"/{python_tag()}/" not in str(stub)  # copied out of python_backend_stubs/
+        assert "nvidia_pytriton.libs" in dist.env["LD_LIBRARY_PATH"]
+    cmd = dist.command(tmp_path, http_port=1, grpc_port=2, metrics_port=3, models=["m"])
+    assert "--load-model=m" in cmd and f"--backend-directory={dist.backend_dir}" in cmd
+
+
+def _bytes(value: str) -> np.ndarray:
+    return np.array([[value.encode()]], dtype=np.object_)
+
+
+def test_parse_merges_parameters_and_tensor_wins() -> None:
+    parsed = parse_request(
+        {
+            "text_input": _bytes("hi"),
+            "stream": np.array([[True]]),
+            "sampling_parameters": _bytes(json.dumps({"steps": 4, "max_tokens": 8})),
+        },
+        json.dumps({"steps": 2, "temperature": 0.5, "triton_enable_empty_final_response": True}),
+    )
+    assert parsed.prompt_kind == "text_input" and parsed.prompt == "hi" and parsed.stream
+    assert parsed.sampling == {"steps": 4, "temperature": 0.5, "max_tokens": 8}
+
+
+@pytest.mark.parametrize(
+    "inputs, params",
+    [
+        ({}, None),
+        ({"text_input": _bytes("a"), "messages": _bytes("[]")}, None),
+        ({"messages": _bytes("not json")}, None),
+        ({"messages": _bytes('[{"role": "user"}]')}, None),
+        ({"input_ids": np.array([[1, -2]], dtype=np.int64)}, None),
+        ({"input_ids": np.array([[1, 2], [3, 4]], dtype=np.int64)}, None),
+        ({"text_input": _bytes("a"), "sampling_parameters": _bytes("[1]")}, None),
+        ({"text_input": _bytes("a")}, "{not json"),
+        ({"text_input": _bytes("")}, None),
+    ],
+)
+def test_parse_rejects_with_the_stable_prefix(inputs, params) -> None:
+    with pytest.raises(RequestError, match=r"^invalid request: "):
+        parse_request(inputs, params)
+
+
+def test_env_overrides_config_parameters() -> None:
+    s = resolve_settings(
+        {"checkpoint": "x", "dtype": "auto", "max_rows": "4"},
+        kind="GPU",
+        device_id=1,
+        environ={"DLM_DTYPE": "bfloat16", "DLM_MAX_ROWS": "8"},
+    )
+    assert (s.dtype, s.max_rows, s.device, s.checkpoint) == ("bfloat16", 8, "cuda:1", "x")
