@@ -1,0 +1,186 @@
+"""Headless Locust against the real local CPU stack: tritonserver (session fixture) + the proxy.
+
+The load is ``benchmarks/locustfile.py`` exactly as operators run it, so a broken SSE stream,
+a missing usage chunk, a bad finish_reason or a Triton error fails here as a Locust failure.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from dlm_triton.launcher import TritonServerProcess, proxy_command
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCUSTFILE = ROOT / "benchmarks" / "locustfile.py"
+
+pytestmark = pytest.mark.integration
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """SIGTERM by PID, bounded wait, then SIGKILL: the proxy drains on SIGTERM."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def proxy_url(
+    triton_server: TritonServerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """The OpenAI proxy in front of the session's tritonserver, started with the launcher's
+    own command line (what ``dlm-triton serve`` runs), stopped by PID."""
+    cmd = proxy_command(triton_server.ports, triton_server.model_name, "127.0.0.1")
+    assert cmd is not None, "openai_proxy has no __main__: the launcher cannot start it"
+    log_path = tmp_path_factory.mktemp("proxy") / "proxy.log"
+    url = f"http://127.0.0.1:{triton_server.ports.proxy}"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not _ready(f"{url}/health"):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"proxy did not become healthy:\n{log_path.read_text()[-3000:]}")
+                time.sleep(0.3)
+            yield url
+        finally:
+            _stop(proc)
+
+
+def _load_env(server: TritonServerProcess) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DLM_LOAD_")}
+    env.update(
+        DLM_LOAD_MODEL=server.model_name,
+        DLM_LOAD_TRITON_GRPC=server.urls["grpc"],
+        DLM_LOAD_MAX_TOKENS="16",
+        DLM_LOAD_STEPS="8",
+        DLM_LOAD_STREAM_FRACTION="0.5",
+        DLM_LOAD_TIMEOUT_S="60",
+    )
+    return env
+
+
+def _stats(path: Path) -> dict[tuple[str, str], dict[str, str]]:
+    with path.open(newline="") as fh:
+        return {(r["Type"], r["Name"]): r for r in csv.DictReader(fh)}
+
+
+def test_locust_20s_against_cpu_stack_has_no_failures(
+    triton_server: TritonServerProcess, proxy_url: str, tmp_path: Path
+) -> None:
+    prefix = tmp_path / "load"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "locust",
+            "-f",
+            str(LOCUSTFILE),
+            "--headless",
+            "--only-summary",
+            "--users",
+            "4",
+            "--spawn-rate",
+            "4",
+            "--run-time",
+            "20s",
+            "--stop-timeout",
+            "60",
+            "--host",
+            proxy_url,
+            "--csv",
+            str(prefix),
+        ],
+        env=_load_env(triton_server),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    output = proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = _stats(Path(f"{prefix}_stats.csv"))
+    aggregated = rows[("", "Aggregated")]
+    assert int(aggregated["Failure Count"]) == 0, (
+        output + Path(f"{prefix}_failures.csv").read_text()
+    )
+    assert proc.returncode == 0, output  # Locust exits 1 when any request failed
+
+    # Both user kinds, streaming and not, all did real work.
+    for name in ("proxy chat", "proxy chat stream", "grpc", "grpc stream"):
+        e2e = rows[("E2E", name)]
+        assert int(e2e["Request Count"]) > 0, name
+        assert float(e2e["Average Content Size"]) > 0, f"{name}: no completion tokens counted"
+    for name in ("proxy chat stream", "grpc stream"):
+        ttft, e2e = rows[("TTFT", name)], rows[("E2E", name)]
+        assert int(ttft["Request Count"]) > 0, name
+        assert float(ttft["Average Response Time"]) <= float(e2e["Average Response Time"])
+    assert "generated tokens/s" in proc.stdout + proc.stderr
+
+
+def _run_load_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("run_load", ROOT / "benchmarks" / "run_load.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_run_load_sweep_writes_csvs_and_png(
+    triton_server: TritonServerProcess, proxy_url: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "sweep"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "run_load.py"),
+            "--host",
+            proxy_url,
+            "--users",
+            "1,2",
+            "--run-time",
+            "6s",
+            "--param",
+            "steps=8",
+            "--out",
+            str(out),
+        ],
+        env=_load_env(triton_server),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for users in (1, 2):
+        assert (out / f"u{users:03d}_stats.csv").exists()
+    rows = _run_load_module().read_stats(out / "u002_stats.csv", 2)
+    total = next(r for r in rows if r.name == "all")
+    assert total.requests > 0 and total.failures == 0 and total.tokens_per_s > 0
+    with (out / "summary.csv").open(newline="") as fh:
+        summary = list(csv.DictReader(fh))
+    assert {int(r["users"]) for r in summary} == {1, 2}
+    png = (out / "summary.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
