@@ -137,6 +137,30 @@ def test_gpu_ids_override_replaces_count(compose_cmd: tuple[list[str], dict[str,
     assert proc.returncode != 0 and "DLM_GPU_IDS" in proc.stderr
 
 
+def test_replicas_override_one_gpu_each_behind_the_proxy(
+    compose_cmd: tuple[list[str], dict[str, str]],
+) -> None:
+    services = resolve(compose_cmd, "compose.replicas.yaml", env={"DLM_GPU_ID_B": "3"})["services"]
+    gpus = {
+        name: [
+            d["device_ids"]
+            for d in services[name]["deploy"]["resources"]["reservations"]["devices"]
+        ]
+        for name in ("triton", "triton-b")
+    }
+    assert gpus == {"triton": [["0"]], "triton-b": [["3"]]}
+    for name in ("triton", "triton-b"):
+        assert services[name]["init"] is True and not services[name].get("ports")
+        assert services["proxy"]["depends_on"][name]["condition"] == "service_healthy"
+    from openai_proxy.config import ProxyConfig
+
+    urls = services["proxy"]["environment"]["DLM_PROXY_TRITON_URLS"]
+    assert ProxyConfig.from_env({"DLM_PROXY_TRITON_URLS": urls}).triton_urls == [
+        "triton:8001",
+        "triton-b:8001",
+    ]
+
+
 def test_triton_process_and_shared_memory(compose_cmd: tuple[list[str], dict[str, str]]) -> None:
     triton = resolve(compose_cmd)["services"]["triton"]
     assert triton["init"] is True  # tini reaps the Python backend's stub processes
