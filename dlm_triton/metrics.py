@@ -35,7 +35,12 @@ class Metrics:
             for o in OUTCOMES
         }
         self.queue_depth = self._metric(
-            "dlm_queue_depth", "Requests accepted and not finished (waiting + running)", gauge
+            "dlm_queue_depth", "Requests waiting for a row (not yet in the batch)", gauge
+        )
+        self.in_flight = self._metric(
+            "dlm_requests_in_flight",
+            "Requests accepted and not finished (waiting + running)",
+            gauge,
         )
         self.rows_per_step = self._metric(
             "dlm_rows_per_step", "Rows (requests) in each engine forward", hist, ROWS_BUCKETS

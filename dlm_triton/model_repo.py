@@ -120,7 +120,7 @@ def model_files(spec: ModelSpec) -> dict[str, str]:
     """Relative path -> content for one model folder."""
     return {
         "config.pbtxt": render_config(spec, "KIND_GPU"),
-        f"{CPU_CONFIG_NAME}.pbtxt": render_config(spec, "KIND_CPU"),
+        f"configs/{CPU_CONFIG_NAME}.pbtxt": render_config(spec, "KIND_CPU"),
         "1/model.py": SHIM,
     }
 

@@ -100,7 +100,7 @@ class TritonPythonModel:
         self._outbox: queue.Queue = queue.Queue()
         self._closing = False
         self._stop = threading.Event()
-        self.loop = EngineLoop(self.engine)
+        self.loop = EngineLoop(self.engine, on_step=self._on_step)
         self._sender = threading.Thread(target=self._send_loop, name="dlm-sender", daemon=True)
         self._watcher = threading.Thread(target=self._watch_loop, name="dlm-watch", daemon=True)
         self._sender.start()
@@ -111,20 +111,24 @@ class TritonPythonModel:
         )
 
     def _instrument_step(self) -> None:
-        """Rows per step and step time: wrap this engine instance's ``step`` (the engine API
-        has no step callback yet; one output per row touched is its documented contract)."""
+        """Step wall time: wrap this engine instance's ``step`` (EngineLoop's ``on_step`` hook
+        reports rows only)."""
         original = self.engine.step
-        metrics = self.metrics
+        observe = self.metrics.step_seconds.observe
 
         def step() -> list:
             t = time.perf_counter()
             outputs = original()
-            if outputs:
-                metrics.step_seconds.observe(time.perf_counter() - t)
-                metrics.rows_per_step.observe(len(outputs))
+            if self.engine.last_step_rows:
+                observe(time.perf_counter() - t)
             return outputs
 
         self.engine.step = step
+
+    def _on_step(self, rows: int) -> None:
+        """EngineLoop hook, on the engine thread after every step that ran rows."""
+        self.metrics.rows_per_step.observe(rows)
+        self.metrics.queue_depth.set(self.loop.queue_depth)
 
     def finalize(self) -> None:
         """Stop accepting, let running requests finish for a bounded time, abort the rest,
@@ -165,7 +169,7 @@ class TritonPythonModel:
             if len(self._live) >= self.settings.max_queue:
                 raise _Refused(f"overloaded: {len(self._live)} requests in flight, try again later")
             parsed = parse_request(self._inputs(request), request.parameters())
-            params = SamplingParams.from_dict(parsed.sampling)
+            params = self.engine.resolve_params(SamplingParams.from_dict(parsed.sampling))
             prompt_ids = self.engine.encode_prompt(
                 **{_ENCODE_KW[parsed.prompt_kind]: parsed.prompt}
             )
@@ -285,13 +289,16 @@ class TritonPythonModel:
                 with contextlib.suppress(Exception):
                     live.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             self._close(live)
-        self.metrics.outcome("invalid" if message.startswith("invalid request:") else "error")
+        prefix = message.split(":", 1)[0]
+        self.metrics.outcome(
+            {"invalid request": "invalid", "overloaded": "overloaded"}.get(prefix, "error")
+        )
 
     def _close(self, live: _Live) -> None:
         live.closed = True
         with self._live_lock:
             self._live.pop(live.rid, None)
-            self.metrics.queue_depth.set(len(self._live))
+            self.metrics.in_flight.set(len(self._live))
 
     # ------------------------------------------------------------------ watcher thread
     def _watch_loop(self) -> None:

@@ -27,7 +27,7 @@ def test_committed_repository_matches_the_template() -> None:
 def test_model_folder_follows_the_contract(name: str) -> None:
     folder = model_repo.COMMITTED_REPOSITORY / name
     gpu = (folder / "config.pbtxt").read_text()
-    cpu = (folder / "config_cpu.pbtxt").read_text()
+    cpu = (folder / "configs" / "config_cpu.pbtxt").read_text()
     assert "kind: KIND_GPU" in gpu and "kind: KIND_CPU" in cpu
     for text in (gpu, cpu):
         assert f'name: "{name}"' in text

@@ -1,0 +1,244 @@
+"""A real tritonserver (CPU config, tiny random LLaDA) through gRPC streaming and HTTP SSE."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from dlm_client import DLMClient, DLMError, build_inputs
+
+pytestmark = pytest.mark.integration
+
+# Eight requests that differ in every setting a row carries on its own.
+SETTINGS = [
+    {"max_tokens": 16, "steps": 16},
+    {"max_tokens": 24, "steps": 12, "block_length": 8},
+    {"max_tokens": 32, "steps": 32, "algorithm": "random", "seed": 1},
+    {"max_tokens": 16, "steps": 8, "temperature": 0.7, "seed": 3},
+    {"max_tokens": 32, "steps": 16, "block_length": 16, "algorithm": "low_confidence"},
+    {"max_tokens": 8, "steps": 8, "algorithm": "topk_margin"},
+    {"max_tokens": 20, "steps": 10, "block_length": 10, "algorithm": "entropy"},
+    {"max_tokens": 32, "steps": 32, "algorithm": "threshold", "threshold": 0.5},
+]
+PROMPTS = ["Hello there", "What is 2+2?", "abc", "Tell me a story", "x", "zz top", "q?", "ok"]
+
+
+def test_grpc_streams_eight_concurrent_requests_in_shared_steps(client: DLMClient, metric) -> None:
+    count0 = metric("dlm_rows_per_step_count")
+    single0 = metric("dlm_rows_per_step_bucket", le="1")
+
+    def run(i: int):
+        chunks = list(client.stream(PROMPTS[i], **SETTINGS[i]))
+        return chunks, client.generate(PROMPTS[i], **SETTINGS[i])
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, range(8)))
+
+    for (chunks, whole), settings in zip(results, SETTINGS, strict=True):
+        final = chunks[-1]
+        assert final.finish_reason in ("stop", "length")
+        assert all(not c.finish_reason for c in chunks[:-1])
+        # Streamed deltas add up to the one-shot completion of the same (seeded) request.
+        assert "".join(c.text for c in chunks) == whole.text
+        assert 0 < final.completion_tokens <= settings["max_tokens"]
+        assert 0 < final.steps <= settings["steps"]
+        assert final.prompt_tokens > 0
+    steps = metric("dlm_rows_per_step_count") - count0
+    multi_row_steps = steps - (metric("dlm_rows_per_step_bucket", le="1") - single0)
+    assert steps > 0 and multi_row_steps > 0, "no engine step held more than one row"
+
+
+def test_http_generate_stream_with_plain_http(client: DLMClient, triton_server) -> None:
+    settings = {"max_tokens": 16, "steps": 8}
+    body = {
+        "text_input": "Hello there",
+        "stream": True,
+        "sampling_parameters": json.dumps(settings),
+    }
+    events = []
+    with httpx.stream("POST", triton_server.urls["generate_stream"], json=body, timeout=120) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+    assert events and events[-1]["finish_reason"] in ("stop", "length")
+    text = "".join(e["text_output"] for e in events)
+    assert text == client.generate("Hello there", **settings).text
+    # Sampling keys as top-level request parameters work too.
+    plain = {"text_input": "Hello there", **settings}
+    r = httpx.post(triton_server.urls["generate_stream"], json=plain, timeout=120)
+    last = json.loads([x for x in r.text.splitlines() if x.startswith("data: ")][-1][6:])
+    assert last["text_output"] == text
+
+
+def test_outputs_equal_the_engines_own(client: DLMClient, tiny_checkpoint: Path) -> None:
+    from dlm_engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model=str(tiny_checkpoint), device="cpu"))
+    cases = [
+        ({"text": "Hello there"}, {"prompt": "Hello there"}, {"max_tokens": 16, "steps": 16}),
+        (
+            {"messages": [{"role": "user", "content": "2+2?"}]},
+            {"messages": [{"role": "user", "content": "2+2?"}]},
+            {"max_tokens": 24, "steps": 12, "block_length": 8},
+        ),
+        ({"input_ids": [5, 6, 7, 8]}, {"input_ids": [5, 6, 7, 8]}, {"max_tokens": 8, "steps": 8}),
+        (
+            {"text": "seeded"},
+            {"prompt": "seeded"},
+            {"max_tokens": 16, "temperature": 0.8, "seed": 7},
+        ),
+    ]
+    for i, (encode_kw, client_kw, settings) in enumerate(cases):
+        ids = engine.encode_prompt(**encode_kw)
+        engine.add_request(f"ref-{i}", ids, SamplingParams.from_dict(settings))
+        final = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    final = out
+        got = client.generate(**client_kw, **settings)
+        assert final is not None
+        assert (got.text, got.finish_reason) == (final.text, final.finish_reason)
+        assert (got.completion_tokens, got.steps, got.prompt_tokens) == (
+            final.completion_tokens,
+            final.steps,
+            final.prompt_tokens,
+        )
+
+
+def test_cancellation_frees_the_row(client: DLMClient, metric, triton_server) -> None:
+    aborted0 = metric("dlm_requests_total", outcome="abort")
+    triton = grpcclient.InferenceServerClient(triton_server.urls["grpc"])
+    got: list = []
+    triton.start_stream(callback=lambda result=None, error=None: got.append((result, error)))
+    arrays = build_inputs(
+        "a long one",
+        stream=True,
+        sampling={"max_tokens": 512, "steps": 512, "stream_mode": "denoise"},
+    )
+    inputs = []
+    for name, array in arrays.items():
+        tensor = grpcclient.InferInput(
+            name, list(array.shape), {"text_input": "BYTES", "stream": "BOOL"}.get(name, "BYTES")
+        )
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    triton.async_stream_infer(triton_server.model_name, inputs)
+    deadline = time.monotonic() + 60
+    while not got and time.monotonic() < deadline:  # denoise mode answers every step
+        time.sleep(0.01)
+    assert got, "no streamed response before cancelling"
+    triton.stop_stream(cancel_requests=True)
+    triton.close()
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if (
+            metric("dlm_requests_total", outcome="abort") > aborted0
+            and metric("dlm_requests_in_flight") == 0
+        ):
+            break
+        time.sleep(0.1)
+    assert metric("dlm_requests_total", outcome="abort") == aborted0 + 1
+    assert metric("dlm_requests_in_flight") == 0
+    after = client.generate("still alive?", max_tokens=8, steps=8)
+    assert after.finish_reason in ("stop", "length")
+
+
+def _raw_stream(url: str, model: str, arrays: dict[str, np.ndarray], params: dict | None = None):
+    """Send one request with arbitrary tensors; return ('ok', text) or ('error', message)."""
+    types = {np.object_: "BYTES", np.int64: "INT64", np.bool_: "BOOL", np.float32: "FP32"}
+    done = threading.Event()
+    outcome: list = []
+
+    def callback(result=None, error=None) -> None:
+        if error is not None:
+            outcome.append(("error", str(error.message() if hasattr(error, "message") else error)))
+            done.set()
+            return
+        reason = result.as_numpy("finish_reason").reshape(-1)[0].decode()
+        if reason:
+            outcome.append(("ok", result.as_numpy("text_output").reshape(-1)[0].decode()))
+            done.set()
+
+    triton = grpcclient.InferenceServerClient(url)
+    triton.start_stream(callback=callback)
+    inputs = []
+    for name, array in arrays.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), types[array.dtype.type])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    triton.async_stream_infer(model, inputs, parameters=params)
+    assert done.wait(120), f"no final response for {list(arrays)}"
+    triton.stop_stream()
+    triton.close()
+    return outcome[0]
+
+
+def _b(value: str) -> np.ndarray:
+    return np.array([[value.encode()]], dtype=np.object_)
+
+
+MALFORMED = {
+    "no prompt": ({"stream": np.array([[True]])}, None, "exactly one of"),
+    "two prompts": (
+        {"text_input": _b("a"), "messages": _b('[{"role":"user","content":"a"}]')},
+        None,
+        "exactly one of",
+    ),
+    "messages not JSON": ({"messages": _b("{nope")}, None, "messages"),
+    "messages not a list": ({"messages": _b('{"role": "user"}')}, None, "messages"),
+    "message without content": ({"messages": _b('[{"role": "user"}]')}, None, "content"),
+    "sampling not JSON": (
+        {"text_input": _b("a"), "sampling_parameters": _b("{x")},
+        None,
+        "sampling_parameters",
+    ),
+    "sampling not an object": (
+        {"text_input": _b("a"), "sampling_parameters": _b("[1]")},
+        None,
+        "sampling_parameters",
+    ),
+    "unknown key": ({"text_input": _b("a")}, {"warp_speed": 9}, "warp_speed"),
+    "negative max_tokens": (
+        {"text_input": _b("a"), "sampling_parameters": _b('{"max_tokens": -4}')},
+        None,
+        "max_tokens",
+    ),
+    "unknown algorithm": (
+        {"text_input": _b("a"), "sampling_parameters": _b('{"algorithm": "magic"}')},
+        None,
+        "algorithm",
+    ),
+    "temperature not a number": ({"text_input": _b("a")}, {"temperature": "hot"}, "temperature"),
+    "negative token id": ({"input_ids": np.array([[3, -1]], dtype=np.int64)}, None, "input_ids"),
+    "batch of two": ({"input_ids": np.array([[3, 4], [5, 6]], dtype=np.int64)}, None, "input_ids"),
+    "empty prompt": ({"text_input": _b("")}, None, "text_input"),
+}
+
+
+def test_malformed_requests_get_clear_errors_while_a_good_one_completes(
+    client: DLMClient, triton_server
+) -> None:
+    url, model = triton_server.urls["grpc"], triton_server.model_name
+    with ThreadPoolExecutor(6) as pool:
+        good = pool.submit(client.generate, "good request", max_tokens=32, steps=32)
+        bad = {k: pool.submit(_raw_stream, url, model, a, p) for k, (a, p, _) in MALFORMED.items()}
+        for name, future in bad.items():
+            kind, message = future.result(timeout=120)
+            assert kind == "error", f"{name}: accepted"
+            assert message.startswith("invalid request: "), f"{name}: {message}"
+            assert MALFORMED[name][2] in message, f"{name}: {message}"
+        assert good.result(timeout=120).finish_reason in ("stop", "length")
+    with pytest.raises(DLMError) as info:
+        client.generate("a", max_tokens="many")
+    assert info.value.invalid
