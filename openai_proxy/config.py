@@ -36,6 +36,8 @@ class ProxyConfig:
     port: int = 9000
     # gRPC endpoints of one or more tritonservers serving the same models (round-robin).
     triton_urls: list[str] = field(default_factory=lambda: ["localhost:8001"])
+    # If set, only these Triton models are served (others answer 404); empty = all ready models.
+    models: list[str] = field(default_factory=list)
     # Where Triton's Prometheus metrics live; /metrics points there.
     triton_metrics_url: str = "http://localhost:8002/metrics"
     # Bearer keys accepted on /v1/*; empty list = auth off.
@@ -113,11 +115,19 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="HTTP port (DLM_PROXY_PORT, default 9000)")
     p.add_argument(
         "--triton-url",
+        "--triton-grpc",
         action="append",
         dest="triton_urls",
         metavar="HOST:PORT",
         help="Triton gRPC endpoint; repeat or comma-separate for round-robin "
         "(DLM_PROXY_TRITON_URLS, default localhost:8001)",
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        dest="models",
+        metavar="NAME",
+        help="serve only this Triton model (repeatable); default: every ready model",
     )
     p.add_argument("--triton-metrics-url", help="Triton metrics URL shown by /metrics")
     p.add_argument(
@@ -157,7 +167,7 @@ def config_from_args(
     for key, value in vars(args).items():
         if value is None:
             continue
-        if key in ("triton_urls", "api_keys", "cors_origins"):
+        if key in ("triton_urls", "api_keys", "cors_origins", "models"):
             value = [item for raw in value for item in _split_list(raw)]
         setattr(cfg, key, value)
     cfg.validate()

@@ -119,6 +119,8 @@ class TritonBackend:
                     as_json=True, client_timeout=timeout
                 )
                 models = {m["name"] for m in index.get("models", []) if m.get("state") == "READY"}
+                if self.config.models:
+                    models &= set(self.config.models)
             st.ready, st.models, st.last_error = bool(ready), models, ""
         except Exception as exc:  # any failure = not ready; the message is kept for /health
             st.ready, st.models = False, set()
