@@ -185,28 +185,32 @@ class BodySizeLimit:
                     await _send_error(send, RequestTooLarge(self.limit))
                     return
         received = 0
-        started = False
+        too_big = False
+        answered = False
 
         async def limited_receive() -> Message:
-            nonlocal received
+            # Past the limit the body is cut short; whatever the app answers to the stump is
+            # replaced by the 413 below (FastAPI would turn a raised error into a vague 400).
+            nonlocal received, too_big
+            if too_big:
+                return {"type": "http.request", "body": b"", "more_body": False}
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:
-                    raise RequestTooLarge(self.limit)
+                    too_big = True
+                    return {"type": "http.request", "body": b"", "more_body": False}
             return message
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
+        async def guarded_send(message: Message) -> None:
+            nonlocal answered
+            if not too_big:
+                await send(message)
+            elif message["type"] == "http.response.start" and not answered:
+                answered = True
+                await _send_error(send, RequestTooLarge(self.limit))
 
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except RequestTooLarge as err:
-            if not started:
-                await _send_error(send, err)
+        await self.app(scope, limited_receive, guarded_send)
 
 
 async def _send_error(send: Send, err: ProxyError) -> None:

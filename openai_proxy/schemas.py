@@ -202,6 +202,9 @@ class _RequestBase(BaseModel):
                     raise ValueError(
                         f"conflicting values for {canonical} via {', '.join(sorted(given))}"
                     )
+                if len(given) > 1:  # same value twice: keep one, or the rest reads as extra
+                    data = {k: v for k, v in data.items() if k not in given}
+                    data[canonical] = next(iter(given.values()))
         return data
 
     @field_validator(*UNSUPPORTED_FIELDS.keys() - {"best_of", "echo", "suffix"}, mode="after")
