@@ -1,0 +1,33 @@
+"""Engine settings: which checkpoint, where it runs, and the limits that protect the server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one engine (one model on one device)."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    quantization: str | None = None
+    max_rows: int = 16  # rows (requests) per denoising step
+    max_canvas: int = 1024  # max_tokens ceiling
+    max_prompt: int = 4096  # prompt tokens ceiling
+    max_queue: int = 1024  # waiting requests beyond the running rows
+    max_step_tokens: int = 65536  # prompt + canvas tokens of all rows in one forward
+    default_max_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_rows",
+            "max_canvas",
+            "max_prompt",
+            "max_queue",
+            "max_step_tokens",
+            "default_max_tokens",
+        ):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1")

@@ -1,0 +1,7 @@
+"""Decoding policies: proposals and confidences, transfer schedules, batched selection."""
+
+from .proposals import RowDecode, propose
+from .schedules import DreamSchedule, llada_block_schedule
+from .selection import select_transfers
+
+__all__ = ["DreamSchedule", "RowDecode", "llada_block_schedule", "propose", "select_transfers"]

@@ -1,0 +1,287 @@
+"""The engine: requests in, denoising steps over a continuously changing batch, outputs out.
+
+Single-threaded by design (servers wrap it in `EngineLoop`). Each `step()` admits waiting
+requests, runs one batched forward for every running row, and retires rows that finished:
+early, once their committed prefix holds an end-of-text / end-of-turn token or a stop string,
+or at the end of their canvas.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from .config import EngineConfig
+from .errors import InvalidRequestError
+from .loader import LoadedModel, load_checkpoint
+from .model_runner import ModelRunner
+from .outputs import RequestOutput
+from .sampling_params import ResolvedParams, SamplingParams, resolve
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .text import StableText
+
+
+class Engine:
+    """Diffusion LM engine over one model (LLaDA or Dream family)."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded or load_checkpoint(
+            config.model, config.dtype, config.device, config.quantization
+        )
+        lm = self.loaded
+        self.family = lm.family
+        self.tokenizer = lm.tokenizer
+        self.mask_id = lm.mask_id
+        self.stop_ids = lm.stop_ids
+        pad_id = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else lm.eos_id
+        self.runner = ModelRunner(
+            lm.model, lm.family.name, lm.mask_id, lm.eos_id, pad_id, lm.device
+        )
+        self.scheduler = Scheduler(config.max_rows, config.max_queue, config.max_step_tokens)
+        self._texts: dict[str, StableText] = {}
+        self._aborted: list[str] = []
+        self.total_forwards = 0
+        self.last_step_rows = 0
+        self.mask_token = lm.tokenizer.convert_ids_to_tokens(lm.mask_id)
+
+    # ---- requests -------------------------------------------------------------------------
+    def encode_prompt(
+        self,
+        text: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        input_ids: list[int] | None = None,
+    ) -> list[int]:
+        """Prompt token ids from exactly one of: raw text, chat messages, token ids."""
+        given = [
+            n
+            for n, v in (("text_input", text), ("messages", messages), ("input_ids", input_ids))
+            if v is not None
+        ]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "prompt", "give exactly one of text_input, messages, input_ids"
+            )
+        if messages is not None:
+            ids = self._encode_messages(messages)
+        elif text is not None:
+            if not isinstance(text, str):
+                raise InvalidRequestError("text_input", "must be a string")
+            if self.mask_token and self.mask_token in text:
+                raise InvalidRequestError(
+                    "text_input", f"must not contain the mask token {self.mask_token}"
+                )
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = self._check_ids(input_ids)
+        if not ids:
+            raise InvalidRequestError(given[0], "prompt is empty")
+        if len(ids) > self.config.max_prompt:
+            raise InvalidRequestError(
+                given[0], f"prompt has {len(ids)} tokens; the limit is {self.config.max_prompt}"
+            )
+        return ids
+
+    def _encode_messages(self, messages: Any) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages", "must be a non-empty list")
+        for i, m in enumerate(messages):
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
+                raise InvalidRequestError(
+                    "messages", f"message {i} needs string 'role' and 'content'"
+                )
+            if m["role"] not in ("system", "user", "assistant"):
+                raise InvalidRequestError("messages", f"message {i} has unknown role {m['role']!r}")
+            if self.mask_token and self.mask_token in m["content"]:
+                raise InvalidRequestError(
+                    "messages", f"message {i} contains the mask token {self.mask_token}"
+                )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # template errors are the request's fault, not the server's
+            raise InvalidRequestError("messages", f"chat template failed: {exc}") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _check_ids(self, input_ids: Any) -> list[int]:
+        if not isinstance(input_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in input_ids
+        ):
+            raise InvalidRequestError("input_ids", "must be a list of integers")
+        vocab = self.runner.model_vocab
+        bad = [t for t in input_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError("input_ids", f"token id {bad[0]} outside [0, {vocab})")
+        if self.mask_id in input_ids:
+            raise InvalidRequestError(
+                "input_ids", f"must not contain the mask token id {self.mask_id}"
+            )
+        return list(input_ids)
+
+    def resolve_params(self, params: SamplingParams | dict[str, Any] | None) -> ResolvedParams:
+        """Validate request settings for this model (pure: safe to call from any thread)."""
+        if not isinstance(params, SamplingParams):
+            params = SamplingParams.from_dict(params)
+        return resolve(
+            params,
+            family=self.family.name,
+            default_algorithm=self.family.default_algorithm,
+            uses_blocks=self.family.uses_blocks_by_default,
+            max_canvas=self.config.max_canvas,
+            default_max_tokens=self.config.default_max_tokens,
+        )
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams | ResolvedParams | dict[str, Any] | None = None,
+    ) -> str:
+        """Queue a request; it joins the batch at the next step that has room."""
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.scheduler:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        resolved = params if isinstance(params, ResolvedParams) else self.resolve_params(params)
+        prompt_ids = self._check_ids(list(prompt_ids))
+        if not prompt_ids:
+            raise InvalidRequestError("prompt", "prompt is empty")
+        if len(prompt_ids) > self.config.max_prompt:
+            raise InvalidRequestError(
+                "prompt",
+                f"prompt has {len(prompt_ids)} tokens; the limit is {self.config.max_prompt}",
+            )
+        seq = Sequence(
+            request_id,
+            prompt_ids,
+            resolved,
+            family=self.family.name,
+            mask_id=self.mask_id,
+            device=self.loaded.device,
+        )
+        self.scheduler.add(seq)
+        self._texts[request_id] = StableText(self.tokenizer, self.stop_ids, resolved.stop)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Mark a request to leave before the next step (a final `abort` output follows)."""
+        self._aborted.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting or self._aborted)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Admit, run one denoising step for every running row, retire finished rows."""
+        outputs = self._drain_aborted()
+        self.scheduler.admit()
+        seqs = list(self.scheduler.running)
+        self.last_step_rows = len(seqs)
+        if not seqs:
+            return outputs
+        windows = self.runner.step(seqs)
+        self.total_forwards += 1
+        now = time.monotonic()
+        for seq, window in zip(seqs, windows, strict=False):
+            seq.absorb(window)
+            out = self._output_for(seq, now)
+            if out is not None:
+                outputs.append(out)
+        self.scheduler.retire_finished()
+        return outputs
+
+    def _output_for(self, seq: Sequence, now: float) -> RequestOutput | None:
+        st = self._texts[seq.request_id]
+        done_canvas = seq.mask_id not in seq.canvas
+        update = st.update(seq.committed_prefix(), canvas_complete=done_canvas)
+        if update.finished:
+            seq.finished = True
+            seq.finish_reason = update.finish_reason
+        if update.delta and seq.first_token_time is None:
+            seq.first_token_time = now
+        canvas = self._canvas_strings(seq) if seq.params.stream_mode == "denoise" else None
+        if not (update.delta or seq.finished or canvas is not None):
+            return None
+        if seq.finished:
+            del self._texts[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id,
+            text=st.sent,
+            delta_text=update.delta,
+            token_ids=list(st.token_ids),
+            finished=seq.finished,
+            finish_reason=seq.finish_reason,
+            prompt_tokens=seq.prompt_len,
+            completion_tokens=st.completion_tokens,
+            steps=seq.forwards,
+            canvas=canvas,
+            metrics=self._timing(seq, now),
+        )
+
+    @staticmethod
+    def _timing(seq: Sequence, now: float) -> dict[str, float]:
+        m = {"elapsed_s": now - seq.arrival_time}
+        if seq.first_token_time is not None:
+            m["first_token_s"] = seq.first_token_time - seq.arrival_time
+        return m
+
+    def _canvas_strings(self, seq: Sequence) -> list[str | None]:
+        tok = self.tokenizer
+        return [None if t == seq.mask_id else tok.decode([t]) for t in seq.canvas]
+
+    def _drain_aborted(self) -> list[RequestOutput]:
+        outs = []
+        for rid in self._aborted:
+            seq = self.scheduler.remove(rid)
+            if seq is None:
+                continue
+            st = self._texts.pop(rid)
+            outs.append(
+                RequestOutput(
+                    request_id=rid,
+                    text=st.sent,
+                    delta_text="",
+                    token_ids=list(st.token_ids),
+                    finished=True,
+                    finish_reason="abort",
+                    prompt_tokens=seq.prompt_len,
+                    completion_tokens=st.completion_tokens,
+                    steps=seq.forwards,
+                    metrics=self._timing(seq, time.monotonic()),
+                )
+            )
+        self._aborted.clear()
+        return outs
+
+    # ---- convenience ------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams
+        | dict[str, Any]
+        | list[SamplingParams | dict[str, Any]]
+        | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion together (batched); final outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(None, p, sp) for p, sp in zip(prompts, plist, strict=False)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]

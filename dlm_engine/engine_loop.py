@@ -1,0 +1,134 @@
+"""The engine on its own thread, for servers: submit from any thread, outputs by callback.
+
+Requests join between steps; cancellations take effect before the next step; a failing step
+fails only the requests it was running, never the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from .engine import Engine
+from .outputs import RequestOutput
+from .sampling_params import ResolvedParams
+
+log = logging.getLogger(__name__)
+OnOutput = Callable[[RequestOutput], None]
+
+
+class EngineLoop:
+    """Runs `engine.step()` in a daemon thread while there is work."""
+
+    def __init__(self, engine: Engine, on_step: Callable[[int], None] | None = None) -> None:
+        self.engine = engine
+        self.on_step = on_step  # rows per step, for metrics
+        self._inbox: queue.Queue[tuple] = queue.Queue()
+        self._callbacks: dict[str, OnOutput] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dlm-engine", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, request_id: str, prompt_ids: list[int], params: ResolvedParams, on_output: OnOutput
+    ) -> None:
+        self._inbox.put(("add", request_id, prompt_ids, params, on_output))
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    @property
+    def queue_depth(self) -> int:
+        return self.engine.num_waiting + self._inbox.qsize()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop after the current step; unfinished requests get a final `abort` output."""
+        self._stop.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox(block=not self.engine.has_unfinished())
+            if self._stop.is_set():
+                break
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a broken step fails its rows, not the server
+                log.exception("engine step failed")
+                self._fail_running(f"internal error: {exc}")
+                continue
+            if self.on_step is not None and self.engine.last_step_rows:
+                self.on_step(self.engine.last_step_rows)
+            for out in outputs:
+                self._deliver(out)
+        self._abort_all()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: tuple) -> None:
+        if item[0] == "add":
+            _, rid, prompt_ids, params, cb = item
+            try:
+                self.engine.add_request(rid, prompt_ids, params)
+                self._callbacks[rid] = cb
+            except Exception as exc:
+                cb(_error_output(rid, str(exc), len(prompt_ids)))
+        elif item[0] == "cancel" and item[1] in self._callbacks:
+            self.engine.abort(item[1])
+
+    def _deliver(self, out: RequestOutput) -> None:
+        cb = self._callbacks.get(out.request_id)
+        if out.finished:
+            self._callbacks.pop(out.request_id, None)
+        if cb is None:
+            return
+        try:
+            cb(out)
+        except Exception:
+            log.exception("output callback failed for %s", out.request_id)
+
+    def _fail_running(self, message: str) -> None:
+        sched = self.engine.scheduler
+        for seq in list(sched.running):
+            sched.remove(seq.request_id)
+            self.engine._texts.pop(seq.request_id, None)
+            cb = self._callbacks.pop(seq.request_id, None)
+            if cb is not None:
+                cb(_error_output(seq.request_id, message, seq.prompt_len))
+
+    def _abort_all(self) -> None:
+        for rid in list(self._callbacks):
+            self.engine.abort(rid)
+        for out in self.engine._drain_aborted():
+            self._deliver(out)
+        for rid, cb in list(self._callbacks.items()):
+            cb(_error_output(rid, "internal error: server shutting down", 0))
+        self._callbacks.clear()
+
+
+def _error_output(request_id: str, message: str, prompt_tokens: int) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        text="",
+        delta_text="",
+        token_ids=[],
+        finished=True,
+        finish_reason="error",
+        prompt_tokens=prompt_tokens,
+        completion_tokens=0,
+        steps=0,
+        error=message,
+    )

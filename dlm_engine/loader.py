@@ -1,0 +1,134 @@
+"""Load a local Hugging Face checkpoint directory of a supported family.
+
+Reads the published files only (`config.json`, `generation_config.json`, `*.safetensors`
+with or without an index, tokenizer files) and never executes checkpoint code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from .models import LLADA, Family, build_model, detect_family
+from .quantization import quantize_linears
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run plus what decoding needs to know about its vocabulary."""
+
+    model: nn.Module
+    family: Family
+    config: dict[str, Any]
+    tokenizer: PreTrainedTokenizerBase
+    mask_id: int
+    eos_id: int
+    stop_ids: frozenset[int]
+    dtype: torch.dtype
+    device: torch.device
+    path: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_dtype(name: str, config: dict[str, Any]) -> torch.dtype:
+    """`auto` = the checkpoint's own `torch_dtype` (as transformers' `torch_dtype="auto"`)."""
+    if name == "auto":
+        name = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(DTYPES)} or auto")
+    return DTYPES[name]
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def _read_state(path: Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    target = "cpu" if device.type == "cpu" else str(device)
+    for f in _weight_files(path):
+        with safe_open(str(f), framework="pt", device=target) as sf:
+            for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
+                t = sf.get_tensor(name)
+                state[name] = t.to(dtype) if t.is_floating_point() else t
+    return state
+
+
+def _special_ids(
+    family: Family, config: dict[str, Any], gen: dict[str, Any], tok: PreTrainedTokenizerBase
+) -> tuple[int, int, frozenset[int]]:
+    vocab = tok.get_vocab()
+    mask_id = config.get("mask_token_id", gen.get("mask_token_id"))
+    if mask_id is None:
+        mask_id = vocab.get(family.mask_token)
+    if mask_id is None:
+        raise ValueError("checkpoint names no mask token (config mask_token_id)")
+    eos: list[int] = []
+    for src in (gen.get("eos_token_id"), config.get("eos_token_id"), tok.eos_token_id):
+        if src is None:
+            continue
+        eos.extend(src if isinstance(src, list) else [src])
+    if not eos:
+        raise ValueError("checkpoint names no end-of-text token (eos_token_id)")
+    stops = set(eos) | {vocab[t] for t in family.end_of_turn_tokens if t in vocab}
+    return int(mask_id), int(eos[0]), frozenset(int(i) for i in stops)
+
+
+def load_checkpoint(
+    path: str | Path,
+    dtype: str = "auto",
+    device: str = "cpu",
+    quantization: str | None = None,
+) -> LoadedModel:
+    """Build the family's model from `path`, load its weights, tokenizer and special ids."""
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    gen_file = path / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.exists() else {}
+    family = detect_family(config)
+    torch_dtype = resolve_dtype(dtype, config)
+    dev = torch.device(device)
+    with torch.device("meta"):
+        model = build_model(family, config)
+    state = _read_state(path, dev, torch_dtype)
+    expected = set(model.state_dict())
+    unexpected = sorted(set(state) - expected)
+    missing = sorted(expected - set(state))
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks tensors {missing[:5]} (of {len(missing)})")
+    for name in unexpected:  # e.g. a tied lm_head saved anyway, rotary buffers
+        del state[name]
+    model.load_state_dict(state, assign=True, strict=True)
+    model.eval().requires_grad_(False)
+    if quantization:
+        quantize_linears(model, quantization, dev)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    mask_id, eos_id, stop_ids = _special_ids(family, config, gen, tok)
+    if family is LLADA and "mask_token_id" not in config and mask_id != 126336:
+        raise ValueError("LLaDA checkpoint without mask_token_id")
+    return LoadedModel(
+        model, family, config, tok, mask_id, eos_id, stop_ids, torch_dtype, dev, path
+    )

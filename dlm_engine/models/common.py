@@ -1,0 +1,100 @@
+"""Building blocks shared by the model families: RMSNorm, rotary embeddings, attention.
+
+Both LLaDA and Dream are pre-norm transformers with RoPE and bidirectional attention; they
+differ in tensor names, biases and where RoPE is computed in float32. The families compose
+these pieces under their own published module names so checkpoints load without renaming.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in float32 and cast back, as both published implementations do."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_tables(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [B, 1, T, head_dim] in float32 for per-row position ids [B, T]."""
+    inv_freq = 1.0 / (
+        theta
+        ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    )
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, in_fp32: bool
+) -> torch.Tensor:
+    """Rotate q or k. LLaDA rotates in float32; Qwen2/Dream casts the tables to the model dtype."""
+    if in_fp32:
+        xf = x.float()
+        return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Bidirectional attention. q [B,H,T,D], k/v [B,KV,S,D]; key_mask [B,S] True = attend.
+
+    Padding keys are masked, never attended to, so a row's result does not depend on how
+    much padding its batch carries.
+    """
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    mask = None if key_mask is None else key_mask[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)
+
+
+class ForwardBatch:
+    """What one batched forward needs: tokens, per-row positions, key mask, logit positions."""
+
+    __slots__ = ("input_ids", "positions", "key_mask", "logits_index")
+
+    def __init__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        logits_index: torch.Tensor | None,
+    ) -> None:
+        self.input_ids = input_ids
+        self.positions = positions
+        self.key_mask = key_mask
+        self.logits_index = logits_index
+
+
+def gather_positions(hidden: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """Hidden states [B,T,D] at index [B,K] -> [B,K,D]; all positions when index is None."""
+    if index is None:
+        return hidden
+    return torch.gather(hidden, 1, index[..., None].expand(-1, -1, hidden.shape[-1]))

@@ -1,0 +1,135 @@
+"""Dream (Dream-org/Dream-v0-Instruct-7B): a Qwen2-layout transformer run bidirectionally.
+
+Module names mirror the published checkpoint (`model.embed_tokens`, `model.layers.N.self_attn.*`,
+`mlp.{gate,up,down}_proj`, `model.norm`, `lm_head`). Dream's logits are shifted right by one:
+the token at position i is predicted from the hidden state at i - 1 (`logits_shift = 1`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .common import ForwardBatch, RMSNorm, apply_rope, attention, gather_positions, rope_tables
+
+
+@dataclass(frozen=True)
+class DreamArch:
+    """The architecture keys of a Dream `config.json` (Qwen2 names)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> DreamArch:
+        heads = int(cfg["num_attention_heads"])
+        return cls(
+            hidden_size=int(cfg["hidden_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+
+class DreamAttention(nn.Module):
+    def __init__(self, a: DreamArch) -> None:
+        super().__init__()
+        self.head_dim = a.hidden_size // a.num_attention_heads
+        self.n_heads, self.n_kv = a.num_attention_heads, a.num_key_value_heads
+        kv_dim = self.n_kv * self.head_dim
+        self.q_proj = nn.Linear(a.hidden_size, a.hidden_size, bias=True)
+        self.k_proj = nn.Linear(a.hidden_size, kv_dim, bias=True)
+        self.v_proj = nn.Linear(a.hidden_size, kv_dim, bias=True)
+        self.o_proj = nn.Linear(a.hidden_size, a.hidden_size, bias=False)
+
+    def forward(self, h: torch.Tensor, rope, key_mask) -> torch.Tensor:
+        b, t, _ = h.shape
+        q = self.q_proj(h).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin, in_fp32=False), apply_rope(k, cos, sin, in_fp32=False)
+        return self.o_proj(attention(q, k, v, key_mask).transpose(1, 2).reshape(b, t, -1))
+
+
+class DreamMLP(nn.Module):
+    def __init__(self, a: DreamArch) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DreamLayer(nn.Module):
+    def __init__(self, a: DreamArch) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = DreamAttention(a)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = DreamMLP(a)
+
+    def forward(self, x: torch.Tensor, rope, key_mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, key_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, a: DreamArch) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(DreamLayer(a) for _ in range(a.num_hidden_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+
+class DreamModel(nn.Module):
+    """`DreamModel` weights; forward returns logits only where the caller asks for them."""
+
+    logits_shift = 1
+
+    def __init__(self, arch: DreamArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = _Backbone(arch)
+        if not arch.tie_word_embeddings:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.model.embed_tokens(batch.input_ids)
+        a = self.arch
+        rope = rope_tables(batch.positions, a.hidden_size // a.num_attention_heads, a.rope_theta)
+        for layer in self.model.layers:
+            x = layer(x, rope, batch.key_mask)
+        return x
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.model.norm(h)
+        if self.arch.tie_word_embeddings:
+            return F.linear(h, self.model.embed_tokens.weight)
+        return self.lm_head(h)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [B, K, vocab] of hidden positions `batch.logits_index` (all when None)."""
+        return self.head(gather_positions(self.hidden_states(batch), batch.logits_index))

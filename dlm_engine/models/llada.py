@@ -1,0 +1,143 @@
+"""LLaDA (GSAI-ML/LLaDA-8B-Instruct, LLaDA-1.5): a bidirectional Llama-style transformer.
+
+Module names mirror the published checkpoint (`model.transformer.wte`, `blocks.N.q_proj`,
+`attn_out`, `ff_proj`/`up_proj`/`ff_out`, `ln_f`, `ff_out`) so `load_state_dict` takes the
+published safetensors as they are. Logits are unshifted: position i predicts token i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .common import ForwardBatch, RMSNorm, apply_rope, attention, gather_positions, rope_tables
+
+
+@dataclass(frozen=True)
+class LLaDAArch:
+    """The architecture keys of a LLaDA `config.json` (published names)."""
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    mlp_hidden_size: int
+    vocab_size: int
+    embedding_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    include_bias: bool
+    include_qkv_bias: bool
+    weight_tying: bool
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> LLaDAArch:
+        if cfg.get("block_type", "llama") != "llama":
+            raise ValueError(f"unsupported LLaDA block_type {cfg.get('block_type')!r}")
+        n_heads = int(cfg["n_heads"])
+        return cls(
+            d_model=int(cfg["d_model"]),
+            n_layers=int(cfg["n_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(cfg.get("n_kv_heads") or n_heads),
+            mlp_hidden_size=int(cfg["mlp_hidden_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            embedding_size=int(cfg.get("embedding_size") or cfg["vocab_size"]),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            include_bias=bool(cfg.get("include_bias", False)),
+            include_qkv_bias=bool(cfg.get("include_qkv_bias", False)),
+            weight_tying=bool(cfg.get("weight_tying", False)),
+        )
+
+
+class LLaDABlock(nn.Module):
+    """One pre-norm block: attention then SwiGLU MLP (`act(ff_proj(x)) * up_proj(x)`)."""
+
+    def __init__(self, a: LLaDAArch) -> None:
+        super().__init__()
+        self.head_dim = a.d_model // a.n_heads
+        self.n_heads, self.n_kv_heads, self.theta = a.n_heads, a.n_kv_heads, a.rope_theta
+        qkv_bias = a.include_bias or a.include_qkv_bias
+        kv_dim = a.n_kv_heads * self.head_dim
+        self.attn_norm = RMSNorm(a.d_model, a.rms_norm_eps)
+        self.q_proj = nn.Linear(a.d_model, a.d_model, bias=qkv_bias)
+        self.k_proj = nn.Linear(a.d_model, kv_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(a.d_model, kv_dim, bias=qkv_bias)
+        self.attn_out = nn.Linear(a.d_model, a.d_model, bias=a.include_bias)
+        self.ff_norm = RMSNorm(a.d_model, a.rms_norm_eps)
+        self.ff_proj = nn.Linear(a.d_model, a.mlp_hidden_size, bias=a.include_bias)
+        self.up_proj = nn.Linear(a.d_model, a.mlp_hidden_size, bias=a.include_bias)
+        self.ff_out = nn.Linear(a.mlp_hidden_size, a.d_model, bias=a.include_bias)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], key_mask
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q_proj(h).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin, in_fp32=True), apply_rope(k, cos, sin, in_fp32=True)
+        att = attention(q, k, v, key_mask).transpose(1, 2).reshape(b, t, -1)
+        x = x + self.attn_out(att)
+        h = self.ff_norm(x)
+        return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
+
+
+class _Transformer(nn.Module):
+    def __init__(self, a: LLaDAArch) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(a.embedding_size, a.d_model)
+        self.blocks = nn.ModuleList(LLaDABlock(a) for _ in range(a.n_layers))
+        self.ln_f = RMSNorm(a.d_model, a.rms_norm_eps)
+        if not a.weight_tying:
+            self.ff_out = nn.Linear(a.d_model, a.embedding_size, bias=a.include_bias)
+
+
+class _Wrapper(nn.Module):
+    def __init__(self, a: LLaDAArch) -> None:
+        super().__init__()
+        self.transformer = _Transformer(a)
+
+
+class LLaDAModel(nn.Module):
+    """`LLaDAModelLM` weights; forward returns logits only where the caller asks for them."""
+
+    logits_shift = 0
+
+    def __init__(self, arch: LLaDAArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = _Wrapper(arch)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.embedding_size
+
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        tr = self.model.transformer
+        x = tr.wte(batch.input_ids)
+        rope = rope_tables(
+            batch.positions, self.arch.d_model // self.arch.n_heads, self.arch.rope_theta
+        )
+        for block in tr.blocks:
+            x = block(x, rope, batch.key_mask)
+        return x
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        tr = self.model.transformer
+        h = tr.ln_f(h)
+        if self.arch.weight_tying:
+            return F.linear(h, tr.wte.weight)
+        return tr.ff_out(h)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [B, K, vocab] at `batch.logits_index` (all positions when None)."""
+        h = gather_positions(self.hidden_states(batch), batch.logits_index)
+        return self.head(h)

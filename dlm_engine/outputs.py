@@ -1,0 +1,23 @@
+"""What the engine hands back after a step, per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """A request's progress. `delta_text` only ever appends to what was sent before."""
+
+    request_id: str
+    text: str
+    delta_text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    steps: int
+    canvas: list[str | None] | None = None
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)

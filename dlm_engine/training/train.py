@@ -1,0 +1,431 @@
+"""Train the embedded tiny LLaDA-architecture model (`dlm_engine/assets/tiny-dlm`).
+
+Objective: LLaDA's supervised fine-tuning loss for masked diffusion. Per example a ratio
+t ~ U(eps, 1) is drawn, every response token (the answer, its `<|eot_id|>` and the
+`<|endoftext|>` padding up to the canvas length) is replaced by the mask token with
+probability t, the prompt is never masked, attention is bidirectional, and cross-entropy is
+taken on masked positions only, weighted by 1/t and divided by the response length.
+
+    python -m dlm_engine.training.train --out DIR --device cuda --minutes 9
+
+Without `--steps` the run calibrates its speed on the first steps and then fixes the number
+of steps (and so the cosine schedule) to fill `--minutes`. Data are generated on the fly by
+seeded worker processes (`tasks.py`); the held-out problems never enter a batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from tqdm import tqdm
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from ..models import LLADA, build_model
+from ..models.common import ForwardBatch
+from ..testing import llada_config, write_checkpoint
+from ..tokenizer_build import build_char_tokenizer, vocab_size_for
+from . import tasks
+
+MASK_EPS = 1e-3  # lowest masking ratio, as in LLaDA's forward process
+CANVAS_EVAL = 32  # canvas used by the quality benchmark and the CI test
+CANVAS_MAX = 64  # longest canvas seen in training (the engine's default max_tokens)
+
+
+@dataclass
+class Special:
+    """Token ids the objective and the decoder need."""
+
+    mask: int
+    eos: int
+    eot: int
+    bos: int
+
+    @classmethod
+    def from_ids(cls, ids: dict[str, int]) -> Special:
+        return cls(
+            ids["<|mdm_mask|>"], ids["<|endoftext|>"], ids["<|eot_id|>"], ids["<|startoftext|>"]
+        )
+
+
+def encode_prompt(tok: PreTrainedTokenizerBase, question: str) -> list[int]:
+    """Prompt ids exactly as a server builds them: the chat template, then plain encoding."""
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+def canvas_length(rng: random.Random, need: int) -> int:
+    """Mostly the evaluation canvas, often the default 64, sometimes anything that fits.
+
+    Varying the canvas teaches the model that the answer does not depend on how much EOS
+    padding follows it, so any `max_tokens` a user picks works.
+    """
+    r = rng.random()
+    if r < 0.5:
+        return CANVAS_EVAL
+    if r < 0.75:
+        return CANVAS_MAX
+    return rng.randint(need, CANVAS_MAX)
+
+
+def make_batch(
+    rng: random.Random, tok: PreTrainedTokenizerBase, sp: Special, batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [B,T] right-padded with EOS, prompt lengths [B], total lengths [B])."""
+    exs = [tasks.sample(rng, "train") for _ in range(batch_size)]
+    texts = [
+        tok.apply_chat_template(tasks.messages_for(e), add_generation_prompt=True, tokenize=False)
+        for e in exs
+    ]
+    # one batched (Rust) call each; same ids as `tok.encode(text, add_special_tokens=False)`
+    prompts = tok(texts, add_special_tokens=False)["input_ids"]
+    answers = tok([e.answer for e in exs], add_special_tokens=False)["input_ids"]
+    rows: list[list[int]] = []
+    for prompt, ans in zip(prompts, answers, strict=True):
+        answer = list(ans) + [sp.eot]
+        canvas = canvas_length(rng, len(answer))
+        rows.append(list(prompt) + answer + [sp.eos] * (canvas - len(answer)))
+    width = -(-max(len(r) for r in rows) // 8) * 8
+    ids = torch.tensor([r + [sp.eos] * (width - len(r)) for r in rows], dtype=torch.long)
+    plens = torch.tensor([len(p) for p in prompts])
+    return ids, plens, torch.tensor([len(r) for r in rows])
+
+
+class BatchStream(IterableDataset):
+    """Endless training batches; each worker draws from its own seeded generator."""
+
+    def __init__(self, tok_dir: str, sp: Special, batch_size: int, seed: int) -> None:
+        self.tok_dir, self.sp, self.batch_size, self.seed = tok_dir, sp, batch_size, seed
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        rng = random.Random(self.seed * 1_000_003 + worker)
+        tok = AutoTokenizer.from_pretrained(self.tok_dir)
+        while True:
+            yield make_batch(rng, tok, self.sp, self.batch_size)
+
+
+def init_weights(model: nn.Module, n_layers: int) -> None:
+    """GPT-2 style init: N(0, 0.02), residual output projections scaled by depth."""
+    for name, p in model.named_parameters():
+        if p.dim() < 2:
+            continue
+        std = 0.02
+        if name.endswith("attn_out.weight") or (
+            "blocks" in name and name.endswith("ff_out.weight")
+        ):
+            std = 0.02 / math.sqrt(2 * n_layers)
+        nn.init.normal_(p, 0.0, std)
+
+
+def diffusion_loss(
+    model: nn.Module,
+    ids: torch.Tensor,
+    plen: torch.Tensor,
+    tlen: torch.Tensor,
+    mask_id: int,
+    amp: bool,
+) -> torch.Tensor:
+    """LLaDA SFT loss for one batch (no host sync: masks are weights, not indices)."""
+    b, t_len = ids.shape
+    pos = torch.arange(t_len, device=ids.device).expand(b, t_len)
+    key_mask = pos < tlen[:, None]
+    response = (pos >= plen[:, None]) & key_mask
+    t = torch.rand(b, device=ids.device) * (1 - MASK_EPS) + MASK_EPS
+    masked = (torch.rand(b, t_len, device=ids.device) < t[:, None]) & response
+    noisy = torch.where(masked, torch.full_like(ids, mask_id), ids)
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=amp):
+        logits = model(ForwardBatch(noisy, pos, key_mask, None))
+    ce = F.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none")
+    weight = masked.float() / (t * (tlen - plen).float())[:, None]
+    return (ce * weight).sum() / b
+
+
+@torch.no_grad()
+def greedy_decode(
+    model: nn.Module,
+    prompts: list[list[int]],
+    sp: Special,
+    canvas: int,
+    k: int,
+    block: int,
+    amp: bool,
+) -> list[list[int]]:
+    """LLaDA's low-confidence remasking at T=0, k tokens a step, semi-AR blocks, batched.
+
+    A compact re-statement of the published loop used only to watch training; the shipped
+    numbers come from the engine (`benchmarks/quality.py`).
+    """
+    dev = next(model.parameters()).device
+    b = len(prompts)
+    plen = torch.tensor([len(p) for p in prompts], device=dev)
+    width = int(plen.max()) + canvas
+    ids = torch.full((b, width), sp.eos, dtype=torch.long, device=dev)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p, device=dev)
+    offs = torch.arange(canvas, device=dev)
+    cidx = plen[:, None] + offs
+    ids.scatter_(1, cidx, sp.mask)
+    pos = torch.arange(width, device=dev).expand(b, width)
+    key_mask = pos < (plen + canvas)[:, None]
+    for blk in range(canvas // block):
+        in_block = (offs >= blk * block) & (offs < (blk + 1) * block)
+        for _ in range(block // k):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+                logits = model(ForwardBatch(ids, pos, key_mask, cidx))
+            conf, pred = torch.softmax(logits.float(), dim=-1).max(-1)
+            cur = ids.gather(1, cidx)
+            open_ = (cur == sp.mask) & in_block
+            conf = torch.where(open_, conf, torch.full_like(conf, -1.0))
+            top = conf.topk(k, dim=1).indices
+            sel = torch.zeros_like(open_).scatter(1, top, True) & open_
+            ids.scatter_(1, cidx, torch.where(sel, pred, cur))
+    return ids.gather(1, cidx).tolist()
+
+
+def answer_text(tok: PreTrainedTokenizerBase, ids: list[int], sp: Special) -> str:
+    """Committed completion up to the first end-of-turn / end-of-text, as text."""
+    out: list[int] = []
+    for i in ids:
+        if i in (sp.eot, sp.eos):
+            break
+        out.append(i)
+    return tok.decode(out, skip_special_tokens=True).strip()
+
+
+def evaluate(
+    model: nn.Module,
+    tok: PreTrainedTokenizerBase,
+    sp: Special,
+    examples: list[tasks.Example],
+    canvas: int = CANVAS_EVAL,
+    k: int = 1,
+    amp: bool = False,
+    chunk: int = 256,
+) -> dict[str, float]:
+    """Exact-match accuracy overall and per task with `greedy_decode`."""
+    was_training = model.training
+    model.eval()
+    hits: dict[str, list[int]] = {}
+    for s in range(0, len(examples), chunk):
+        part = examples[s : s + chunk]
+        outs = greedy_decode(
+            model,
+            [encode_prompt(tok, e.question) for e in part],
+            sp,
+            canvas,
+            k,
+            min(canvas, 32),
+            amp,
+        )
+        for e, o in zip(part, outs, strict=True):
+            hits.setdefault(e.task, []).append(int(answer_text(tok, o, sp) == e.answer))
+    model.train(was_training)
+    res = {name: sum(v) / len(v) for name, v in hits.items()}
+    res["all"] = sum(sum(v) for v in hits.values()) / len(examples)
+    return res
+
+
+def lr_at(step: int, total: int, warmup: int, peak: float, floor_ratio: float) -> float:
+    """Linear warmup, then cosine decay to `floor_ratio * peak` at `total`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    prog = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (floor_ratio + (1 - floor_ratio) * 0.5 * (1 + math.cos(math.pi * prog)))
+
+
+def save(
+    model: nn.Module, cfg: dict[str, Any], sp: Special, out: Path, summary: dict[str, Any]
+) -> None:
+    """Write the checkpoint in LLaDA's published layout (bf16 weights, one shard)."""
+    out.mkdir(parents=True, exist_ok=True)
+    build_char_tokenizer(out, "llada")
+    state = {k: v.detach().to("cpu", torch.bfloat16) for k, v in model.state_dict().items()}
+    write_checkpoint(out, cfg, state, shards=1)
+    gen = {"bos_token_id": sp.bos, "eos_token_id": sp.eos, "pad_token_id": sp.eos}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--minutes", type=float, default=9.0, help="training time budget")
+    p.add_argument("--steps", type=int, default=None, help="fixed step count (skips calibration)")
+    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--min-lr-ratio", type=float, default=0.05)
+    p.add_argument("--warmup-frac", type=float, default=0.03)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--n-layers", type=int, default=6)
+    p.add_argument("--n-heads", type=int, default=8)
+    p.add_argument("--mlp", type=int, default=512, help="mlp_hidden_size")
+    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--workers", type=int, default=6, help="data worker processes")
+    p.add_argument("--eval-n", type=int, default=600, help="held-out prompts for evaluation")
+    p.add_argument("--evals", type=int, default=4, help="evaluations during the run")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok_dir = Path(tempfile.mkdtemp(prefix="tiny-dlm-tok-"))
+    ids = build_char_tokenizer(tok_dir, "llada")
+    sp = Special.from_ids(ids)
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    cfg = llada_config(
+        vocab_size_for(ids),
+        ids,
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        mlp_hidden_size=args.mlp,
+        rope_theta=args.rope_theta,
+        torch_dtype="bfloat16",
+    )
+    cfg["max_sequence_length"] = 1024
+
+    dev = torch.device(args.device)
+    amp = dev.type == "cuda"
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    if amp:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    model = build_model(LLADA, cfg)
+    init_weights(model, args.n_layers)
+    model.to(dev).train()
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+        betas=(0.9, 0.98),
+        fused=amp,
+    )
+    heldout = tasks.heldout_examples(args.eval_n)
+    stream = BatchStream(str(tok_dir), sp, args.batch_size, args.seed)
+    loader = DataLoader(
+        stream,
+        batch_size=None,
+        num_workers=args.workers,
+        pin_memory=amp,
+        prefetch_factor=4 if args.workers else None,
+        persistent_workers=args.workers > 0,
+    )
+    print(
+        f"params {n_params:,} | device {dev} ({torch.cuda.get_device_name(dev) if amp else 'cpu'}) "
+        f"| batch {args.batch_size} | budget {args.minutes} min",
+        flush=True,
+    )
+
+    budget = args.minutes * 60.0
+    total = args.steps or 10**9
+    calib_at = 60
+    warmup = max(20, int(args.warmup_frac * (args.steps or 3000)))
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=args.steps, desc="train", mininterval=1 if interactive else 20, smoothing=0.05)
+    history: list[dict[str, float]] = []
+    evals: list[dict[str, Any]] = []
+    next_eval = 1
+    ema = None
+    tokens = 0
+    t0 = time.time()
+    t_calib = t0
+    step = 0
+    for ids_b, plen_b, tlen_b in loader:
+        if step >= total or time.time() - t0 > budget:
+            break
+        tokens += int(tlen_b.sum())
+        ids_b = ids_b.to(dev, non_blocking=True)
+        plen_b = plen_b.to(dev, non_blocking=True)
+        tlen_b = tlen_b.to(dev, non_blocking=True)
+        lr = lr_at(step, total, warmup, args.lr, args.min_lr_ratio)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss = diffusion_loss(model, ids_b, plen_b, tlen_b, sp.mask, amp)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        bar.update(1)
+        if step == 10:
+            t_calib = time.time()
+        if args.steps is None and step == calib_at:
+            rate = (calib_at - 10) / (time.time() - t_calib)
+            left = budget - (time.time() - t0)
+            total = step + int(rate * left * 0.96)
+            warmup = max(20, int(args.warmup_frac * total))
+            bar.total = total
+            bar.refresh()
+            print(f"\ncalibrated: {rate:.1f} steps/s -> {total} steps", flush=True)
+        if step % 50 == 0:
+            val = float(loss)
+            ema = val if ema is None else 0.9 * ema + 0.1 * val
+            history.append({"step": step, "loss": val, "lr": lr, "gnorm": float(gnorm)})
+            bar.set_postfix(loss=f"{ema:.4f}", lr=f"{lr:.2e}")
+        frac = step / total if total < 10**9 else 0.0
+        if args.evals > 1 and frac >= next_eval / args.evals and next_eval < args.evals:
+            next_eval += 1
+            acc = evaluate(model, tok, sp, heldout[:240], amp=amp)
+            evals.append({"step": step, "minutes": (time.time() - t0) / 60, "acc": acc})
+            print(
+                f"\nstep {step} loss {float(loss):.4f} held-out acc {json.dumps(acc)}", flush=True
+            )
+    bar.close()
+    train_s = time.time() - t0
+    final: dict[str, Any] = {}
+    for k in (1, 2, 4):
+        final[f"canvas32_k{k}"] = evaluate(model, tok, sp, heldout, CANVAS_EVAL, k, amp)
+    final["canvas64_k1"] = evaluate(model, tok, sp, heldout, CANVAS_MAX, 1, amp)
+    summary = {
+        "params": n_params,
+        "device": torch.cuda.get_device_name(dev) if amp else "cpu",
+        "train_seconds": round(train_s, 1),
+        "steps": step,
+        "batch_size": args.batch_size,
+        "examples_seen": step * args.batch_size,
+        "tokens_seen": tokens,
+        "final_loss_ema": ema,
+        "args": vars(args),
+        "heldout_eval_greedy_decode": final,
+        "evals_during_training": evals,
+        "loss_history": history[-40:],
+    }
+    save(model, cfg, sp, out, summary)
+    print(
+        json.dumps({k: v for k, v in summary.items() if k != "loss_history"}, indent=1), flush=True
+    )
+    return summary
+
+
+if __name__ == "__main__":
+    main()
