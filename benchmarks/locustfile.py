@@ -187,6 +187,8 @@ def _load_prompts() -> tuple[list[str], list[float]]:
 
 
 SETTINGS = LoadSettings.from_env()
+# Pause after a failed request so a dead server yields a readable count, not a hot loop.
+FAILURE_BACKOFF_S = 0.2
 _request_ids = itertools.count()
 
 
@@ -249,6 +251,7 @@ class ProxyChatUser(User):
             tokens = self._stream(started, name) if stream else self._once()
         except Exception as exc:  # every failure is a Locust failure, never a crash
             _fire(self.environment, "E2E", name, started, exc=exc)
+            time.sleep(FAILURE_BACKOFF_S)
             return
         _fire(self.environment, "E2E", name, started, tokens=tokens)
 
@@ -319,12 +322,17 @@ class TritonGrpcUser(User):
 
     def on_start(self) -> None:
         self.client = grpcclient.InferenceServerClient(SETTINGS.triton_grpc)
-        self.responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
+        self._open_stream()
 
     def on_stop(self) -> None:
         self.client.stop_stream(cancel_requests=True)
         self.client.close()
+
+    def _open_stream(self) -> None:
+        """A fresh stream and queue: after an error the old stream is dead or holds strays."""
+        self.responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        responses = self.responses
+        self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
 
     def _inputs(self, stream: bool) -> list[grpcclient.InferInput]:
         messages = json.dumps([{"role": "user", "content": SETTINGS.pick_prompt()}])
@@ -357,6 +365,12 @@ class TritonGrpcUser(User):
             tokens = self._read(request_id, started, name, stream)
         except Exception as exc:
             _fire(self.environment, "E2E", name, started, exc=exc)
+            try:
+                self.client.stop_stream(cancel_requests=True)
+                self._open_stream()
+            except Exception:
+                pass  # the next request fails and reports it
+            time.sleep(FAILURE_BACKOFF_S)
             return
         _fire(self.environment, "E2E", name, started, tokens=tokens)
 
