@@ -33,6 +33,7 @@ STUB_NAME = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "triton_python_backend_shm_region"
 DEFAULT_MODEL = "tiny-dlm"
+PROXY_DRAIN_S = float(os.environ.get("DLM_PROXY_STOP_TIMEOUT", "30"))  # proxy drains, then SIGKILL
 
 
 def free_port() -> int:
@@ -125,6 +126,8 @@ def proxy_command(ports: Ports, model_name: str, address: str) -> list[str] | No
         f"127.0.0.1:{ports.grpc}",
         "--model",
         model_name,
+        "--triton-metrics-url",
+        f"http://127.0.0.1:{ports.metrics}/metrics",
     ]
 
 
@@ -175,6 +178,7 @@ class TritonServerProcess:
         self._stubs: dict[int, list[str]] = {}  # pid -> cmdline, seen while serving
         self._log_file = None
         self._lock = threading.Lock()
+        self.last_stop: dict[str, object] = {}  # what stop() had to do, for tests and logs
 
     # ----------------------------------------------------------------- model choice
     def _overrides(self) -> dict[str, str]:
@@ -295,7 +299,14 @@ class TritonServerProcess:
         if cmd is None:
             print("openai_proxy has no entry point yet: serving Triton only", file=sys.stderr)
             return
-        self.proxy = subprocess.Popen(cmd, start_new_session=True)
+        out = None
+        if self.log_path is not None:
+            out = open(self.log_path.with_suffix(".proxy.log"), "ab")  # noqa: SIM115
+        self.proxy = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True
+        )
+        if out is not None:
+            out.close()  # the child holds its own descriptor
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proxy.poll() is not None:
@@ -341,22 +352,30 @@ class TritonServerProcess:
         """Proxy first (drain), then the server (bounded wait, SIGKILL), stubs, shm files."""
         with self._lock:
             if self.proxy is not None:
-                _terminate(self.proxy, timeout=15.0)
+                _terminate(self.proxy, timeout=PROXY_DRAIN_S)
                 self.proxy = None
             if self.server is not None:
                 self._record_stubs()
-                _terminate(self.server, timeout=self.stop_timeout_s)
+                t0 = time.monotonic()
+                killed = _terminate(self.server, timeout=self.stop_timeout_s)
+                report = {"server_exit": self.server.returncode, "server_killed": killed}
+                report["stop_s"] = round(time.monotonic() - t0, 2)
                 with _suppress():  # anything else left in the server's own session
                     os.killpg(self.server.pid, signal.SIGKILL)
-                for pid in self.stub_pids():
+                leftover = self.stub_pids()
+                report["stubs_killed"] = len(leftover)
+                for pid in leftover:
                     with _suppress():
                         os.kill(pid, signal.SIGKILL)
                 deadline = time.monotonic() + 5
                 while self.stub_pids() and time.monotonic() < deadline:
                     time.sleep(0.05)
-                for path in self.shm_files():
+                shm = self.shm_files()
+                report["shm_removed"] = len(shm)
+                for path in shm:
                     with _suppress():
                         path.unlink()
+                self.last_stop = report
                 self.server = None
             if self.choice is not None and self.choice.runtime_dir is not None:
                 shutil.rmtree(self.choice.runtime_dir, ignore_errors=True)
@@ -391,6 +410,7 @@ class TritonServerProcess:
         finally:
             print("stopping ...", file=sys.stderr)
             self.stop()
+            print(f"stopped: {json.dumps(self.last_stop)}", file=sys.stderr)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
@@ -403,15 +423,17 @@ def _suppress() -> contextlib.suppress:
     return contextlib.suppress(ProcessLookupError, FileNotFoundError, PermissionError)
 
 
-def _terminate(proc: subprocess.Popen, timeout: float) -> None:
-    """SIGTERM, bounded wait, SIGKILL."""
+def _terminate(proc: subprocess.Popen, timeout: float) -> bool:
+    """SIGTERM, bounded wait, SIGKILL; True if it had to be killed."""
     if proc.poll() is not None:
-        return
+        return False
     with _suppress():
         proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=timeout)
+        return False
     except subprocess.TimeoutExpired:
         with _suppress():
             proc.kill()
         proc.wait(timeout=10)
+        return True
