@@ -119,6 +119,8 @@ class _RequestBase(BaseModel):
     stream: bool = Field(False, description="Server-sent events, OpenAI chunk format.")
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="Accepted for compatibility; not used.")
+    safety_identifier: str | None = Field(None, description="Accepted; not used.")
+    prompt_cache_key: str | None = Field(None, description="Accepted; not used.")
 
     # Diffusion extensions (docs/openai_api.md).
     steps: int | None = Field(
