@@ -8,8 +8,8 @@ taken on masked positions only, weighted by 1/t and divided by the response leng
 
     python -m dlm_engine.training.train --out DIR --device cuda --minutes 9
 
-Without `--steps` the run calibrates its speed on the first steps and then fixes the number
-of steps (and so the cosine schedule) to fill `--minutes`. Data are generated on the fly by
+Without `--steps` the cosine schedule runs on elapsed time, so the run fills `--minutes`
+whatever the device's speed. Data are generated on the fly by
 seeded worker processes (`tasks.py`); the held-out problems never enter a batch.
 """
 
@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from ..loader import load_checkpoint
 from ..models import LLADA, build_model
 from ..models.common import ForwardBatch
 from ..testing import llada_config, write_checkpoint
@@ -52,11 +53,21 @@ class Special:
     eos: int
     eot: int
     bos: int
+    end_header: int
+    unk: int
+    newline: int
 
     @classmethod
-    def from_ids(cls, ids: dict[str, int]) -> Special:
+    def from_tokenizer(cls, tok: PreTrainedTokenizerBase) -> Special:
+        v = tok.get_vocab()
         return cls(
-            ids["<|mdm_mask|>"], ids["<|endoftext|>"], ids["<|eot_id|>"], ids["<|startoftext|>"]
+            v["<|mdm_mask|>"],
+            v["<|endoftext|>"],
+            v["<|eot_id|>"],
+            v["<|startoftext|>"],
+            v["<|end_header_id|>"],
+            v["<unk>"],
+            v["\n"],
         )
 
 
@@ -82,6 +93,22 @@ def canvas_length(rng: random.Random, need: int) -> int:
     return rng.randint(need, CANVAS_MAX)
 
 
+def split_blank_lines(prompt: list[int], sp: Special) -> list[int]:
+    """The chat template's "\\n\\n" as two newline ids instead of one `<unk>`.
+
+    The char tokenizer's split regex does not match newlines, so a run of them encodes as
+    `<unk>`; a tokenizer with that fixed gives two `\\n` ids. Training on both makes the
+    model indifferent to which tokenizer file serves it.
+    """
+    out: list[int] = []
+    for i, t in enumerate(prompt):
+        if t == sp.unk and i > 0 and prompt[i - 1] == sp.end_header:
+            out += [sp.newline, sp.newline]
+        else:
+            out.append(t)
+    return out
+
+
 def make_batch(
     rng: random.Random, tok: PreTrainedTokenizerBase, sp: Special, batch_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,14 +122,16 @@ def make_batch(
     prompts = tok(texts, add_special_tokens=False)["input_ids"]
     answers = tok([e.answer for e in exs], add_special_tokens=False)["input_ids"]
     rows: list[list[int]] = []
+    plen: list[int] = []
     for prompt, ans in zip(prompts, answers, strict=True):
+        prompt = split_blank_lines(prompt, sp) if rng.random() < 0.5 else list(prompt)
         answer = list(ans) + [sp.eot]
         canvas = canvas_length(rng, len(answer))
-        rows.append(list(prompt) + answer + [sp.eos] * (canvas - len(answer)))
+        rows.append(prompt + answer + [sp.eos] * (canvas - len(answer)))
+        plen.append(len(prompt))
     width = -(-max(len(r) for r in rows) // 8) * 8
     ids = torch.tensor([r + [sp.eos] * (width - len(r)) for r in rows], dtype=torch.long)
-    plens = torch.tensor([len(p) for p in prompts])
-    return ids, plens, torch.tensor([len(r) for r in rows])
+    return ids, torch.tensor(plen), torch.tensor([len(r) for r in rows])
 
 
 class BatchStream(IterableDataset):
@@ -241,11 +270,15 @@ def evaluate(
     return res
 
 
-def lr_at(step: int, total: int, warmup: int, peak: float, floor_ratio: float) -> float:
-    """Linear warmup, then cosine decay to `floor_ratio * peak` at `total`."""
+def lr_at(step: int, progress: float, warmup: int, peak: float, floor_ratio: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to `floor_ratio * peak`.
+
+    `progress` in [0, 1] is the fraction of the run done: steps over `--steps`, or elapsed
+    time over `--minutes`, so a timed run always ends its schedule whatever its speed.
+    """
     if step < warmup:
         return peak * (step + 1) / warmup
-    prog = min(1.0, (step - warmup) / max(1, total - warmup))
+    prog = min(1.0, progress)
     return peak * (floor_ratio + (1 - floor_ratio) * 0.5 * (1 + math.cos(math.pi * prog)))
 
 
@@ -267,11 +300,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--minutes", type=float, default=9.0, help="training time budget")
-    p.add_argument("--steps", type=int, default=None, help="fixed step count (skips calibration)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="fixed step count instead of a time budget"
+    )
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.05)
-    p.add_argument("--warmup-frac", type=float, default=0.03)
+    p.add_argument("--warmup", type=int, default=300, help="warmup steps")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--d-model", type=int, default=256)
@@ -282,6 +317,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=6, help="data worker processes")
     p.add_argument("--eval-n", type=int, default=600, help="held-out prompts for evaluation")
     p.add_argument("--evals", type=int, default=4, help="evaluations during the run")
+    p.add_argument("--init", default=None, help="start from this checkpoint's weights")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     return p.parse_args(argv)
 
@@ -294,8 +330,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     tok_dir = Path(tempfile.mkdtemp(prefix="tiny-dlm-tok-"))
     ids = build_char_tokenizer(tok_dir, "llada")
-    sp = Special.from_ids(ids)
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    sp = Special.from_tokenizer(tok)
     cfg = llada_config(
         vocab_size_for(ids),
         ids,
@@ -317,6 +353,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.backends.cudnn.allow_tf32 = True
     model = build_model(LLADA, cfg)
     init_weights(model, args.n_layers)
+    if args.init:
+        model.load_state_dict(
+            {k: v.float() for k, v in load_checkpoint(args.init).model.state_dict().items()}
+        )
     model.to(dev).train()
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -349,7 +389,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     budget = args.minutes * 60.0
     total = args.steps or 10**9
     calib_at = 60
-    warmup = max(20, int(args.warmup_frac * (args.steps or 3000)))
+    warmup = args.warmup
+    estimate = args.steps or 0
     interactive = sys.stderr.isatty()
     bar = tqdm(total=args.steps, desc="train", mininterval=1 if interactive else 20, smoothing=0.05)
     history: list[dict[str, float]] = []
@@ -361,13 +402,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t_calib = t0
     step = 0
     for ids_b, plen_b, tlen_b in loader:
-        if step >= total or time.time() - t0 > budget:
+        if step >= total or (args.steps is None and time.time() - t0 > budget):
             break
         tokens += int(tlen_b.sum())
         ids_b = ids_b.to(dev, non_blocking=True)
         plen_b = plen_b.to(dev, non_blocking=True)
         tlen_b = tlen_b.to(dev, non_blocking=True)
-        lr = lr_at(step, total, warmup, args.lr, args.min_lr_ratio)
+        elapsed = time.time() - t0
+        progress = step / args.steps if args.steps else elapsed / budget
+        lr = lr_at(step, progress, warmup, args.lr, args.min_lr_ratio)
         for g in opt.param_groups:
             g["lr"] = lr
         loss = diffusion_loss(model, ids_b, plen_b, tlen_b, sp.mask, amp)
@@ -382,17 +425,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.steps is None and step == calib_at:
             rate = (calib_at - 10) / (time.time() - t_calib)
             left = budget - (time.time() - t0)
-            total = step + int(rate * left * 0.96)
-            warmup = max(20, int(args.warmup_frac * total))
-            bar.total = total
+            estimate = step + int(rate * left)
+            bar.total = estimate
             bar.refresh()
-            print(f"\ncalibrated: {rate:.1f} steps/s -> {total} steps", flush=True)
+            print(f"\nspeed {rate:.1f} steps/s -> about {estimate} steps", flush=True)
         if step % 50 == 0:
             val = float(loss)
             ema = val if ema is None else 0.9 * ema + 0.1 * val
             history.append({"step": step, "loss": val, "lr": lr, "gnorm": float(gnorm)})
             bar.set_postfix(loss=f"{ema:.4f}", lr=f"{lr:.2e}")
-        frac = step / total if total < 10**9 else 0.0
+        frac = step / args.steps if args.steps else (time.time() - t0) / budget
         if args.evals > 1 and frac >= next_eval / args.evals and next_eval < args.evals:
             next_eval += 1
             acc = evaluate(model, tok, sp, heldout[:240], amp=amp)
