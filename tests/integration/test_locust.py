@@ -85,6 +85,13 @@ def _load_env(server: TritonServerProcess) -> dict[str, str]:
     return env
 
 
+def _server_log(server: TritonServerProcess) -> str:
+    """The tritonserver log tail: a crash under load shows its signal and stack there."""
+    if server.log_path is None or not server.log_path.exists():
+        return ""
+    return "\n--- tritonserver log tail ---\n" + server.log_path.read_text(errors="replace")[-3000:]
+
+
 def _stats(path: Path) -> dict[tuple[str, str], dict[str, str]]:
     with path.open(newline="") as fh:
         return {(r["Type"], r["Name"]): r for r in csv.DictReader(fh)}
@@ -121,7 +128,7 @@ def test_locust_20s_against_cpu_stack_has_no_failures(
         text=True,
         timeout=180,
     )
-    output = proc.stdout[-4000:] + proc.stderr[-4000:]
+    output = proc.stdout[-4000:] + proc.stderr[-4000:] + _server_log(triton_server)
     rows = _stats(Path(f"{prefix}_stats.csv"))
     aggregated = rows[("", "Aggregated")]
     assert int(aggregated["Failure Count"]) == 0, (
@@ -145,6 +152,7 @@ def _run_load_module() -> ModuleType:
     spec = importlib.util.spec_from_file_location("run_load", ROOT / "benchmarks" / "run_load.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 
@@ -173,7 +181,7 @@ def test_run_load_sweep_writes_csvs_and_png(
         text=True,
         timeout=180,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr + _server_log(triton_server)
     for users in (1, 2):
         assert (out / f"u{users:03d}_stats.csv").exists()
     rows = _run_load_module().read_stats(out / "u002_stats.csv", 2)
