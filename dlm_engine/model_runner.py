@@ -126,7 +126,8 @@ class ModelRunner:
                 pick[m] = draws < s.origin_probability()
                 chosen[i] = pick
             elif s.params.alg_temp and not s.uses_threshold and int(k[i]) > 0:
-                c = conf[i].masked_fill(~masked[i], -torch.inf) / s.params.alg_temp
+                w = s.window_width  # draw over the row's own window: batching never changes it
+                c = conf[i, :w].masked_fill(~masked[i, :w], -torch.inf) / s.params.alg_temp
                 idx = torch.multinomial(
                     torch.softmax(c.float(), -1), int(k[i]), generator=s.generator
                 )

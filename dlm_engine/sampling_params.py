@@ -203,7 +203,7 @@ def resolve(
         raise InvalidRequestError(
             "steps", f"must be divisible by the number of blocks ({max_tokens // block})"
         )
-    algorithm = p.algorithm or default_algorithm
+    algorithm = p.algorithm or ("threshold" if p.threshold is not None else default_algorithm)
     if algorithm not in ALGORITHMS:
         raise InvalidRequestError("algorithm", f"must be one of {', '.join(ALGORITHMS)}")
     if algorithm == "origin" and family != "dream":
@@ -215,8 +215,10 @@ def resolve(
         threshold = DEFAULT_THRESHOLD
     if threshold is not None and not 0.0 < threshold <= 1.0:
         raise InvalidRequestError("threshold", "must be in (0, 1]")
-    if threshold is not None and algorithm in ("random", "origin"):
-        raise InvalidRequestError("threshold", f"cannot be combined with algorithm {algorithm}")
+    if threshold is not None and algorithm in ("random", "origin", "entropy"):
+        raise InvalidRequestError(
+            "threshold", f"needs a confidence in [0, 1]; algorithm {algorithm} has none"
+        )
     if not 0.0 <= p.temperature <= 100.0:
         raise InvalidRequestError("temperature", "must be in [0, 100]")
     if p.top_p is not None and not 0.0 < p.top_p <= 1.0:

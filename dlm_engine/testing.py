@@ -18,6 +18,14 @@ from .models import DREAM, LLADA, build_model
 from .tokenizer_build import build_char_tokenizer, vocab_size_for
 
 
+SAMPLE_PROMPTS = [
+    "Hello there, what is 2+2?",
+    "Sort: 5 3 9 1",
+    "abc",
+    "Reverse the word diffusion, please, and then tell me how many letters it has.",
+]
+
+
 def llada_config(vocab: int, ids: dict[str, int], **arch: Any) -> dict[str, Any]:
     """A LLaDA `config.json` with the published keys (values scaled down via `arch`)."""
     d_model = arch.get("d_model", 64)

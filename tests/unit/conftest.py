@@ -1,0 +1,28 @@
+"""Tiny random checkpoints of both families, built once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dlm_engine import Engine, EngineConfig
+from dlm_engine.testing import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def ckpt_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpts")
+    return {
+        "llada": make_tiny_checkpoint(root / "llada", "llada", seed=1),
+        "dream": make_tiny_checkpoint(root / "dream", "dream", seed=1),
+        "llada_eos": make_tiny_checkpoint(root / "llada_eos", "llada", seed=1, eos_boost=0.35),
+        "dream_eos": make_tiny_checkpoint(root / "dream_eos", "dream", seed=1, eos_boost=1.0),
+    }
+
+
+@pytest.fixture(scope="session")
+def engines(ckpt_dir: dict[str, Path]) -> dict[str, Engine]:
+    return {
+        name: Engine(EngineConfig(model=str(path), max_rows=8)) for name, path in ckpt_dir.items()
+    }

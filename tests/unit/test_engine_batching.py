@@ -1,0 +1,138 @@
+"""Step-level continuous batching: rows of different lengths and settings do not affect each other."""
+
+from __future__ import annotations
+
+from dlm_engine import Engine, RequestOutput
+
+from dlm_engine.testing import SAMPLE_PROMPTS as PROMPTS
+
+MIXED_LLADA = [
+    dict(max_tokens=32, steps=32, block_length=8),
+    dict(max_tokens=16, steps=8, block_length=16),
+    dict(max_tokens=24, steps=24, block_length=8, algorithm="random", seed=7),
+    dict(max_tokens=32, steps=32, threshold=0.5),
+    dict(max_tokens=16, steps=16, temperature=0.8, seed=123),
+    dict(max_tokens=16, steps=8, block_length=4, cfg_scale=1.0),
+    dict(max_tokens=32, steps=16, block_length=16, algorithm="entropy"),
+]
+MIXED_DREAM = [
+    dict(max_tokens=32, steps=32),
+    dict(max_tokens=16, steps=10, algorithm="maskgit_plus"),
+    dict(max_tokens=24, steps=24, algorithm="topk_margin"),
+    dict(max_tokens=32, steps=32, threshold=0.3),
+    dict(max_tokens=16, steps=16, temperature=0.7, top_p=0.9, seed=5),
+    dict(max_tokens=16, steps=16, algorithm="origin", seed=9),
+    dict(max_tokens=16, steps=16, alg_temp=0.5, seed=11, top_k=20),
+]
+
+
+def _prompts(eng: Engine, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        text = PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS))
+        out.append(eng.encode_prompt(messages=[{"role": "user", "content": text}]))
+    return out
+
+
+def _key(o: RequestOutput) -> tuple:
+    return (o.token_ids, o.text, o.finish_reason, o.steps, o.completion_tokens)
+
+
+def _check_batched_equals_alone(eng: Engine, cases: list[dict]) -> None:
+    prompts = _prompts(eng, len(cases))
+    alone = [_key(eng.generate([p], c)[0]) for p, c in zip(prompts, cases)]
+    batched = [_key(o) for o in eng.generate(prompts, cases)]
+    assert batched == alone
+
+
+def test_llada_batched_equals_alone(engines: dict[str, Engine]) -> None:
+    _check_batched_equals_alone(engines["llada"], MIXED_LLADA)
+
+
+def test_dream_batched_equals_alone(engines: dict[str, Engine]) -> None:
+    _check_batched_equals_alone(engines["dream"], MIXED_DREAM)
+
+
+def test_seeded_sampling_reproducible_and_seed_sensitive(engines: dict[str, Engine]) -> None:
+    eng = engines["llada"]
+    p = _prompts(eng, 1)[0]
+    params = dict(max_tokens=32, steps=32, temperature=1.0, seed=42)
+    a = eng.generate([p], params)[0].token_ids
+    b = eng.generate([p], params)[0].token_ids
+    c = eng.generate([p], dict(params, seed=43))[0].token_ids
+    assert a == b
+    assert a != c
+
+
+def test_join_and_leave_mid_flight(engines: dict[str, Engine]) -> None:
+    """A request joining after others started, and others leaving early, changes nothing."""
+    eng = engines["llada_eos"]
+    prompts = _prompts(eng, 3)
+    cases = [
+        dict(max_tokens=64, steps=64, block_length=8),
+        dict(max_tokens=32, steps=32),
+        dict(max_tokens=16, steps=16),
+    ]
+    alone = [_key(eng.generate([p], c)[0]) for p, c in zip(prompts, cases)]
+    final: dict[str, RequestOutput] = {}
+    eng.add_request("a", prompts[0], cases[0])
+    for _ in range(3):
+        final.update({o.request_id: o for o in eng.step() if o.finished})
+    eng.add_request("b", prompts[1], cases[1])
+    for _ in range(5):
+        final.update({o.request_id: o for o in eng.step() if o.finished})
+    eng.add_request("c", prompts[2], cases[2])
+    while eng.has_unfinished():
+        final.update({o.request_id: o for o in eng.step() if o.finished})
+    assert [_key(final[r]) for r in "abc"] == alone
+
+
+def test_rows_per_step_respects_max_rows(engines: dict[str, Engine]) -> None:
+    eng = engines["dream"]
+    prompts = _prompts(eng, 11)
+    ids = [eng.add_request(None, p, dict(max_tokens=8, steps=8)) for p in prompts]
+    seen = []
+    done = set()
+    while eng.has_unfinished():
+        done |= {o.request_id for o in eng.step() if o.finished}
+        seen.append(eng.last_step_rows)
+    assert max(seen) == eng.config.max_rows
+    assert done == set(ids)
+
+
+def test_streamed_deltas_concatenate_to_final_text(engines: dict[str, Engine]) -> None:
+    eng = engines["llada"]
+    p = _prompts(eng, 1)[0]
+    eng.add_request("s", p, dict(max_tokens=32, steps=32, block_length=8, stream_mode="denoise"))
+    deltas, canvases, last = [], [], None
+    while eng.has_unfinished():
+        for o in eng.step():
+            deltas.append(o.delta_text)
+            canvases.append(o.canvas)
+            last = o
+    assert last is not None and last.finished
+    assert "".join(deltas) == last.text
+    assert len(canvases) == last.steps  # one snapshot per step in denoise mode
+    assert canvases[0].count(None) == 31 and canvases[-1].count(None) == 0
+    assert all(len(c) == 32 for c in canvases)
+
+
+def test_threshold_commits_several_tokens_per_step(engines: dict[str, Engine]) -> None:
+    eng = engines["dream"]
+    p = _prompts(eng, 1)[0]
+    out = eng.generate([p], dict(max_tokens=32, steps=32, threshold=0.05))[0]
+    full = eng.generate([p], dict(max_tokens=32, steps=32, threshold=1.0))[0]
+    assert out.steps < 32
+    assert full.steps == 32 or full.finish_reason == "stop"  # τ = 1: one token per step
+
+
+def test_stop_strings_cut_text(engines: dict[str, Engine]) -> None:
+    eng = engines["llada"]
+    p = _prompts(eng, 1)[0]
+    base = eng.generate([p], dict(max_tokens=32, steps=32, block_length=8))[0]
+    assert len(base.text) > 6
+    stop = base.text[3:5]
+    cut = eng.generate([p], dict(max_tokens=32, steps=32, block_length=8, stop=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == base.text[: base.text.index(stop)]
+    assert cut.steps <= base.steps
