@@ -21,7 +21,8 @@ DATASOURCE = {"type": "prometheus", "uid": "dlm-prometheus"}
 M = {
     "rows_per_step": "dlm_rows_per_step",  # histogram: rows in each engine forward
     "step_seconds": "dlm_step_duration_seconds",  # histogram: one engine step
-    "queue_depth": "dlm_queue_depth",  # gauge: accepted, not finished (waiting + running)
+    "queue_depth": "dlm_queue_depth",  # gauge: waiting for a row, not yet in the batch
+    "in_flight": "dlm_requests_in_flight",  # gauge: accepted, not finished (waiting + running)
     "ttft_seconds": "dlm_time_to_first_token_seconds",  # histogram
     "e2e_seconds": "dlm_request_latency_seconds",  # histogram
     "tokens_total": "dlm_generated_tokens_total",  # counter
@@ -161,12 +162,13 @@ def build() -> dict[str, Any]:
     g.timeseries(
         "Queue depth",
         [
-            (f"sum by (model) ({M['queue_depth']})", "in engine {{model}}"),
+            (f"sum by (model) ({M['queue_depth']})", "waiting for a row {{model}}"),
+            (f"sum by (model) ({M['in_flight']})", "in flight {{model}}"),
             (f"sum by (model) ({M['nv_pending']})", "Triton pending {{model}}"),
         ],
         "short",
-        "Requests accepted by the engine and not finished (waiting + running), and requests "
-        "Triton holds before execute().",
+        "Requests waiting for a free row of the batch, requests accepted and not finished "
+        "(waiting + running), and requests Triton holds before execute().",
     )
     g.timeseries(
         "Step time",
