@@ -17,7 +17,6 @@ from safetensors.torch import save_file
 from .models import DREAM, LLADA, build_model
 from .tokenizer_build import build_char_tokenizer, vocab_size_for
 
-
 SAMPLE_PROMPTS = [
     "Hello there, what is 2+2?",
     "Sort: 5 3 9 1",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dlm_engine import Engine, RequestOutput
-
 from dlm_engine.testing import SAMPLE_PROMPTS as PROMPTS
 
 MIXED_LLADA = [
@@ -40,7 +39,7 @@ def _key(o: RequestOutput) -> tuple:
 
 def _check_batched_equals_alone(eng: Engine, cases: list[dict]) -> None:
     prompts = _prompts(eng, len(cases))
-    alone = [_key(eng.generate([p], c)[0]) for p, c in zip(prompts, cases)]
+    alone = [_key(eng.generate([p], c)[0]) for p, c in zip(prompts, cases, strict=False)]
     batched = [_key(o) for o in eng.generate(prompts, cases)]
     assert batched == alone
 
@@ -73,7 +72,7 @@ def test_join_and_leave_mid_flight(engines: dict[str, Engine]) -> None:
         dict(max_tokens=32, steps=32),
         dict(max_tokens=16, steps=16),
     ]
-    alone = [_key(eng.generate([p], c)[0]) for p, c in zip(prompts, cases)]
+    alone = [_key(eng.generate([p], c)[0]) for p, c in zip(prompts, cases, strict=False)]
     final: dict[str, RequestOutput] = {}
     eng.add_request("a", prompts[0], cases[0])
     for _ in range(3):

@@ -7,7 +7,6 @@ import torch
 
 from dlm_engine import Engine
 from dlm_engine.reference import dream_generate, full_logits, llada_generate
-
 from dlm_engine.testing import SAMPLE_PROMPTS as PROMPTS
 
 
