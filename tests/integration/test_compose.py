@@ -14,8 +14,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -379,3 +382,111 @@ def test_proxy_image_has_every_proxy_import_and_no_torch() -> None:
         name for name in third_party if PROXY_IMPORTS_FROM_INSTALLS.get(name, "\0") not in installs
     }
     assert not missing, f"openai_proxy imports {missing}, not installed in the proxy image"
+
+
+# ------------------------------------------------------------------------ the entrypoint, run
+STUB = "triton_python_backend_stub"
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.integration
+def test_compose_command_serves_and_stops_like_docker(
+    compose_cmd: tuple[list[str], dict[str, str]], tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """What the container runs, without the container: ENTRYPOINT + compose's command for a
+    mounted checkpoint, its own health-check command, then SIGTERM as ``docker stop`` sends it
+    through tini. It must exit 0 within stop_grace_period and leave no stub or shm file."""
+    from dlm_triton.launcher import Ports
+    from dlm_triton.server_dist import TritonNotFoundError, find_server
+
+    try:
+        find_server()
+    except TritonNotFoundError:
+        pytest.skip("no tritonserver available")
+
+    triton = resolve(compose_cmd, env={"DLM_MODEL": str(tiny_checkpoint)})["services"]["triton"]
+    ports = Ports.free()
+    script = Path(sys.executable).with_name("dlm-triton")
+    entrypoint = (
+        [str(script), "serve"]
+        if script.exists()
+        else [sys.executable, "-m", "dlm_triton.cli", "serve"]
+    )
+    argv = [
+        *entrypoint,
+        *triton["command"],
+        # Test-only: loopback and free ports instead of the container's 0.0.0.0:8000-8002.
+        "--host", "127.0.0.1",
+        "--http-port", str(ports.http),
+        "--grpc-port", str(ports.grpc),
+        "--metrics-port", str(ports.metrics),
+        "--log-file", str(tmp_path / "triton.log"),
+    ]  # fmt: skip
+    env = {**os.environ, **{k: v for k, v in triton["environment"].items() if v}}
+    health = [sys.executable, *triton["healthcheck"]["test"][2:]]
+    health[-1] = health[-1].replace("127.0.0.1:8000/", f"127.0.0.1:{ports.http}/")
+    assert health[-1].count(str(ports.http)) == 1
+
+    with (tmp_path / "serve.out").open("wb") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while subprocess.run(health, capture_output=True, timeout=30).returncode != 0:
+            assert proc.poll() is None, (tmp_path / "serve.out").read_text()[-3000:]
+            assert time.monotonic() < deadline, "never healthy"
+            time.sleep(1)
+
+        name = tiny_checkpoint.name.lower()
+        body = json.dumps({"text_input": "Hello", "max_tokens": 8, "steps": 8}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{ports.http}/v2/models/{name}/generate", data=body
+        )
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            answer = json.loads(resp.read())
+        assert answer["finish_reason"] in ("stop", "length")
+
+        servers = [c for c in _children(proc.pid) if "tritonserver" in " ".join(_cmdline(c)[:1])]
+        assert len(servers) == 1
+        stubs = {c: _cmdline(c) for c in _children(servers[0]) if _cmdline(c)[0].endswith(STUB)}
+        assert stubs, "no Python backend stub found under tritonserver"
+        shm = {
+            Path("/dev/shm") / a.lstrip("/")
+            for cmd in stubs.values()
+            for a in cmd
+            if "shm_region" in a
+        }
+
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        grace = seconds(triton["stop_grace_period"])
+        assert proc.wait(timeout=grace) == 0
+        elapsed = time.monotonic() - started
+        assert elapsed < grace
+        assert not _alive(servers[0])
+        assert not [pid for pid in stubs if _alive(pid) and _cmdline(pid) == stubs[pid]]
+        assert not [p for p in shm if p.exists()]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
