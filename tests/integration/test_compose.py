@@ -193,6 +193,28 @@ def test_stop_grace_covers_exit_timeout_and_longest_generation(
     assert seconds(proxy["stop_grace_period"]) > drain
 
 
+def test_env_example_names_real_variables_and_keeps_the_grace_rule(
+    compose_cmd: tuple[list[str], dict[str, str]],
+) -> None:
+    """docker/env.example is what operators copy: a misspelt name would be silently ignored."""
+    lines = (DOCKER / "env.example").read_text().splitlines()
+    assigned = [
+        line.lstrip("# ").split("=", 1) for line in lines if re.match(r"#? ?[A-Z_]+=", line)
+    ]
+    referenced = set()
+    for path in DOCKER.glob("compose*.yaml"):
+        referenced |= set(re.findall(r"\$\{([A-Z_]+)", path.read_text()))
+    unknown = {name for name, _ in assigned} - referenced
+    assert not unknown, f"env.example sets variables no compose file reads: {unknown}"
+    active = {
+        k: v for k, v in (line.split("=", 1) for line in lines if re.match(r"[A-Z_]+=", line))
+    }
+    services = resolve(compose_cmd, env=active)["services"]
+    exit_timeout = float(flag_value(services["triton"]["command"], "--exit-timeout"))
+    request_timeout = float(services["proxy"]["environment"]["DLM_PROXY_REQUEST_TIMEOUT_S"])
+    assert seconds(services["triton"]["stop_grace_period"]) > exit_timeout + request_timeout
+
+
 def test_only_the_proxy_port_is_published(compose_cmd: tuple[list[str], dict[str, str]]) -> None:
     services = resolve(compose_cmd)["services"]
     published = {name: svc.get("ports", []) for name, svc in services.items() if svc.get("ports")}
