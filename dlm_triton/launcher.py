@@ -179,6 +179,9 @@ class TritonServerProcess:
         self._log_file = None
         self._lock = threading.Lock()
         self.last_stop: dict[str, object] = {}  # what stop() had to do, for tests and logs
+        self._run_dir: Path | None = None
+        self.drain_file: Path | None = None
+        self.drain_timeout_s = 0.0
 
     # ----------------------------------------------------------------- model choice
     def _overrides(self) -> dict[str, str]:
@@ -255,7 +258,19 @@ class TritonServerProcess:
             log_verbose=1 if self.verbose else 0,
             exit_timeout_s=self.exit_timeout_s,
         )
-        env = {**self.dist.env, **self.choice.env}
+        # The model drains running requests in finalize(); it must end within Triton's exit
+        # timeout or Triton gives up (exit 1) and the stubs are orphaned.
+        self.drain_timeout_s = float(
+            os.environ.get("DLM_DRAIN_TIMEOUT", max(1.0, self.exit_timeout_s / 2))
+        )
+        self._run_dir = Path(tempfile.mkdtemp(prefix="dlm-triton-run-"))
+        self.drain_file = self._run_dir / "drain"
+        env = {
+            **self.dist.env,
+            **self.choice.env,
+            "DLM_DRAIN_TIMEOUT": str(self.drain_timeout_s),
+            "DLM_DRAIN_FILE": str(self.drain_file),
+        }
         out = None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -357,8 +372,10 @@ class TritonServerProcess:
             if self.server is not None:
                 self._record_stubs()
                 t0 = time.monotonic()
+                drained = self._drain()
                 killed = _terminate(self.server, timeout=self.stop_timeout_s)
-                report = {"server_exit": self.server.returncode, "server_killed": killed}
+                report = {"drained": drained, "server_exit": self.server.returncode}
+                report["server_killed"] = killed
                 report["stop_s"] = round(time.monotonic() - t0, 2)
                 with _suppress():  # anything else left in the server's own session
                     os.killpg(self.server.pid, signal.SIGKILL)
@@ -377,12 +394,48 @@ class TritonServerProcess:
                         path.unlink()
                 self.last_stop = report
                 self.server = None
+            if self._run_dir is not None:
+                shutil.rmtree(self._run_dir, ignore_errors=True)
+                self._run_dir = None
             if self.choice is not None and self.choice.runtime_dir is not None:
                 shutil.rmtree(self.choice.runtime_dir, ignore_errors=True)
                 self.choice.runtime_dir = None
             if self._log_file is not None:
                 self._log_file.close()
                 self._log_file = None
+
+    def _drain(self) -> bool:
+        """Ask the model to finish (or abort) its requests before SIGTERM.
+
+        Triton 2.51 does not unload a decoupled model while its requests are open, so a SIGTERM
+        with requests generating runs into the exit timeout (exit 1, sometimes a crash). The
+        model's watcher sees this file, refuses new requests, lets running ones finish for
+        ``DLM_DRAIN_TIMEOUT`` s and aborts the rest; we wait for its in-flight gauge to hit 0.
+        """
+        if self.drain_file is None or not self.running():
+            return False
+        self.drain_file.touch()
+        deadline = time.monotonic() + self.drain_timeout_s + 5.0
+        while time.monotonic() < deadline and self.running():
+            if self._in_flight() == 0:
+                return True
+            time.sleep(0.1)
+        return False
+
+    def _in_flight(self) -> float | None:
+        """Sum of ``dlm_requests_in_flight`` on the metrics port (None if unreadable)."""
+        url = f"http://127.0.0.1:{self.ports.metrics}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                text = resp.read().decode()
+        except (urllib.error.URLError, OSError):
+            return None
+        values = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("dlm_requests_in_flight{")
+        ]
+        return sum(values) if values else None
 
     def __enter__(self) -> TritonServerProcess:
         return self.start()

@@ -34,7 +34,10 @@ except ImportError:  # pragma: no cover - docs, linters, unit tests
 
 INPUT_NAMES = (*PROMPT_INPUTS, "stream", "sampling_parameters")
 WATCH_INTERVAL_S = 0.02
-DRAIN_TIMEOUT_S = float(os.environ.get("DLM_DRAIN_TIMEOUT", "5"))
+DRAIN_TIMEOUT_S = float(os.environ.get("DLM_DRAIN_TIMEOUT", "5"))  # launcher: exit timeout / 2
+# Written by the launcher before it stops tritonserver: drain now (see launcher._drain).
+DRAIN_FILE = os.environ.get("DLM_DRAIN_FILE")
+DRAIN_POLL_EVERY = 10  # watcher ticks (0.2 s)
 
 
 @dataclass
@@ -47,7 +50,8 @@ class _Live:
     stream: bool
     t0: float
     first_text_at: float | None = None
-    cancel_requested: bool = False
+    cancel_requested: bool = False  # the client cancelled or went away
+    abort_sent: bool = False  # we aborted it (drain timeout)
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -134,7 +138,11 @@ class TritonPythonModel:
         """Stop accepting, let running requests finish for a bounded time, abort the rest,
         and end every request still open with a final response."""
         self._closing = True
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        started = time.monotonic()
+        pb_utils.Logger.log_info(
+            f"dlm model {self.model_name}: finalize, {len(self._live)} in flight"
+        )
+        deadline = started + DRAIN_TIMEOUT_S
         while self._live and time.monotonic() < deadline:
             time.sleep(0.05)
         for live in list(self._live.values()):
@@ -151,6 +159,9 @@ class TritonPythonModel:
         self._stop.set()
         for live in list(self._live.values()):
             self._fail(live, "internal error: the model was unloaded before the request finished")
+        pb_utils.Logger.log_info(
+            f"dlm model {self.model_name}: finalized in {time.monotonic() - started:.2f}s"
+        )
 
     # ------------------------------------------------------------------ requests
     def execute(self, requests: list) -> None:
@@ -165,7 +176,7 @@ class TritonPythonModel:
         t0 = time.monotonic()
         try:
             if self._closing:
-                raise _Refused("overloaded: the model is shutting down")
+                raise _Refused("overloaded: the server is shutting down")
             if len(self._live) >= self.settings.max_queue:
                 raise _Refused(f"overloaded: {len(self._live)} requests in flight, try again later")
             parsed = parse_request(self._inputs(request), request.parameters())
@@ -236,7 +247,10 @@ class TritonPythonModel:
             return
         text = out.delta_text if live.stream else out.text
         reason = out.finish_reason or "stop"
-        self._send(live, self._response(text or "", reason, out), final=True)
+        if live.cancel_requested:  # the client is gone: end the request without a payload
+            self._send(live, None, final=True)
+        else:
+            self._send(live, self._response(text or "", reason, out), final=True)
         m = self.metrics
         m.outcome(reason)
         m.e2e.observe(time.monotonic() - live.t0)
@@ -264,7 +278,10 @@ class TritonPythonModel:
                 return
             flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
             try:
-                live.sender.send(response, flags=flags)
+                if response is None:
+                    live.sender.send(flags=flags)
+                else:
+                    live.sender.send(response, flags=flags)
             except Exception:  # e.g. the client went away: still end it
                 if not final:
                     return
@@ -302,8 +319,24 @@ class TritonPythonModel:
 
     # ------------------------------------------------------------------ watcher thread
     def _watch_loop(self) -> None:
-        """Client cancel / disconnect -> the row leaves the batch before the next step."""
-        while not self._stop.wait(WATCH_INTERVAL_S):
+        """Client cancel / disconnect -> the row leaves the batch before the next step.
+        Also watches the launcher's drain file."""
+        drain_deadline: float | None = None
+        for tick in itertools.count():
+            if self._stop.wait(WATCH_INTERVAL_S):
+                return
+            poll = drain_deadline is None and DRAIN_FILE and tick % DRAIN_POLL_EVERY == 0
+            if poll and os.path.exists(DRAIN_FILE):
+                self._closing = True
+                drain_deadline = time.monotonic() + DRAIN_TIMEOUT_S
+                pb_utils.Logger.log_info(
+                    f"dlm model {self.model_name}: draining {len(self._live)} requests"
+                )
+            if drain_deadline is not None and time.monotonic() > drain_deadline:
+                for live in list(self._live.values()):
+                    if not live.abort_sent:
+                        live.abort_sent = True
+                        self.loop.cancel(live.rid)
             for live in list(self._live.values()):
                 if live.cancel_requested or live.closed:
                     continue
