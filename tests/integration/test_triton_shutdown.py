@@ -72,10 +72,10 @@ def test_stop_while_generating_leaves_nothing_behind(server_factory, dream_check
 
     def grpc_user(i: int) -> None:
         try:
-            for n, chunk in enumerate(client.stream(f"prompt {i}", **LONG)):
-                if n == 0:
-                    first_chunk.wait()
-            ended.append(chunk.finish_reason)
+            chunks = client.stream(f"prompt {i}", **LONG)
+            next(chunks)
+            first_chunk.wait()
+            ended.append([c.finish_reason for c in chunks][-1])
         except DLMError as exc:
             ended.append(f"error: {exc}")
 
