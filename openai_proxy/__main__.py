@@ -7,6 +7,7 @@ included) finish for up to --drain-timeout seconds before the lifespan closes th
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -37,6 +38,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             proxy_headers=False,
         )
     )
+    # uvicorn re-raises the caught signal after its graceful shutdown, so the process would die
+    # "by SIGTERM" (status -15) even after a clean drain. No-op handlers make it exit 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     server.run()
     return 0
 
