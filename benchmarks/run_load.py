@@ -158,54 +158,71 @@ def write_summary(rows: list[Row], path: Path) -> None:
 
 
 def plot_summary(rows: list[Row], path: Path, title: str) -> None:
-    """Two panels: throughput against users, latency percentiles against users."""
+    """Three panels against users: throughput, end-to-end and time-to-first-token percentiles.
+
+    Locust's percentiles include failed requests, so failed requests/s are drawn on the
+    throughput panel: a latency curve is only meaningful where that line stays at zero.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_tp, ax_lat) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (ax_tp, ax_e2e, ax_ttft) = plt.subplots(1, 3, figsize=(18, 5.5))
     total = sorted((r for r in rows if r.kind == "E2E" and r.name == "all"), key=lambda r: r.users)
     users = [r.users for r in total]
     ax_tp.plot(users, [r.tokens_per_s for r in total], "o-", color="tab:blue", label="tokens/s")
-    ax_tp.set_xlabel("concurrent users")
     ax_tp.set_ylabel("generated tokens/s", color="tab:blue")
+    ax_tp.set_ylim(bottom=0)
     ax_rps = ax_tp.twinx()
     ax_rps.plot(
         users, [r.requests_per_s for r in total], "s--", color="tab:orange", label="requests/s"
     )
+    failed = [r.requests_per_s * r.failures / r.requests if r.requests else 0.0 for r in total]
+    ax_rps.plot(users, failed, "x:", color="tab:red", label="failed requests/s")
     ax_rps.set_ylabel("requests/s", color="tab:orange")
+    ax_rps.set_ylim(bottom=0)
     ax_tp.set_title("Throughput")
-    ax_tp.grid(alpha=0.3)
+    lines = ax_tp.get_legend_handles_labels()
+    more = ax_rps.get_legend_handles_labels()
+    ax_tp.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="upper left")
 
-    names = sorted({(r.kind, r.name) for r in rows if r.name != "all"})
     styles = {"p50_ms": "-", "p90_ms": "--", "p99_ms": ":"}
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (kind, name) in enumerate(names):
-        series = sorted(
-            (r for r in rows if (r.kind, r.name) == (kind, name)), key=lambda r: r.users
-        )
-        for attr, style in styles.items():
-            ax_lat.plot(
-                [r.users for r in series],
-                [getattr(r, attr) / 1000.0 for r in series],
-                style,
-                marker="o",
-                color=colors[i % len(colors)],
-                label=f"{kind} {name} {attr[:-3]}",
+    for ax, kind, label in (
+        (ax_e2e, "E2E", "End-to-end latency"),
+        (ax_ttft, "TTFT", "Time to first token (streaming)"),
+    ):
+        names = sorted({r.name for r in rows if r.kind == kind and r.name != "all"})
+        for i, name in enumerate(names):
+            series = sorted(
+                (r for r in rows if r.kind == kind and r.name == name), key=lambda r: r.users
             )
-    ax_lat.set_xlabel("concurrent users")
-    ax_lat.set_ylabel("seconds")
-    ax_lat.set_title("Latency percentiles (E2E and time to first token)")
-    ax_lat.grid(alpha=0.3)
-    ax_lat.legend(fontsize=7, ncol=2)
-    for ax in (ax_tp, ax_lat):
+            for attr, style in styles.items():
+                ax.plot(
+                    [r.users for r in series],
+                    [getattr(r, attr) / 1000.0 for r in series],
+                    style,
+                    marker="o",
+                    color=colors[i % len(colors)],
+                    label=f"{name} {attr[:-3]}",
+                )
+        ax.set_title(label)
+        ax.set_ylabel("seconds")
+        ax.set_ylim(bottom=0)
+        if names:
+            ax.legend(fontsize=7, ncol=2)
+    for ax in (ax_tp, ax_e2e, ax_ttft):
+        ax.set_xlabel("concurrent users")
+        ax.grid(alpha=0.3)
         ax.set_xscale("log", base=2)
         ax.set_xticks(users or [1])
         ax.set_xticklabels([str(u) for u in users] or ["1"])
+        if users:
+            ax.set_xlim(min(users) / 1.25, max(users) * 1.25)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
