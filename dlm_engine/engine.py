@@ -38,13 +38,21 @@ class Engine:
         self.stop_ids = lm.stop_ids
         pad_id = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else lm.eos_id
         self.runner = ModelRunner(
-            lm.model, lm.family.name, lm.mask_id, lm.eos_id, pad_id, lm.device
+            lm.model,
+            lm.family.name,
+            lm.mask_id,
+            lm.eos_id,
+            pad_id,
+            lm.device,
+            max_rows=config.max_rows,
+            cuda_graphs=config.cuda_graphs,
         )
         self.scheduler = Scheduler(config.max_rows, config.max_queue, config.max_step_tokens)
         self._texts: dict[str, StableText] = {}
         self._aborted: list[str] = []
         self.total_forwards = 0
         self.last_step_rows = 0
+        self.last_step_seconds = 0.0
         self.mask_token = lm.tokenizer.convert_ids_to_tokens(lm.mask_id)
 
     # ---- requests -------------------------------------------------------------------------
@@ -187,7 +195,8 @@ class Engine:
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit, run one denoising step for every running row, retire finished rows."""
-        outputs = self._drain_aborted()
+        t0 = time.monotonic()
+        outputs = self.drain_aborted()
         self.scheduler.admit()
         seqs = list(self.scheduler.running)
         self.last_step_rows = len(seqs)
@@ -201,7 +210,11 @@ class Engine:
             out = self._output_for(seq, now)
             if out is not None:
                 outputs.append(out)
+        for seq in seqs:
+            if seq.finished:
+                self.runner.release(seq.request_id)
         self.scheduler.retire_finished()
+        self.last_step_seconds = time.monotonic() - t0
         return outputs
 
     def _output_for(self, seq: Sequence, now: float) -> RequestOutput | None:
@@ -243,12 +256,14 @@ class Engine:
         tok = self.tokenizer
         return [None if t == seq.mask_id else tok.decode([t]) for t in seq.canvas]
 
-    def _drain_aborted(self) -> list[RequestOutput]:
+    def drain_aborted(self) -> list[RequestOutput]:
+        """Remove aborted requests now; one final `abort` output each."""
         outs = []
         for rid in self._aborted:
             seq = self.scheduler.remove(rid)
             if seq is None:
                 continue
+            self.runner.release(rid)
             st = self._texts.pop(rid)
             outs.append(
                 RequestOutput(
@@ -266,6 +281,16 @@ class Engine:
             )
         self._aborted.clear()
         return outs
+
+    def drop_running(self) -> list[tuple[str, int]]:
+        """Remove every running row (after a failed step); returns (request id, prompt tokens)."""
+        dropped = []
+        for seq in list(self.scheduler.running):
+            self.scheduler.remove(seq.request_id)
+            self.runner.release(seq.request_id)
+            self._texts.pop(seq.request_id, None)
+            dropped.append((seq.request_id, seq.prompt_len))
+        return dropped
 
     # ---- convenience ------------------------------------------------------------------------
     def generate(

@@ -101,18 +101,15 @@ class EngineLoop:
             log.exception("output callback failed for %s", out.request_id)
 
     def _fail_running(self, message: str) -> None:
-        sched = self.engine.scheduler
-        for seq in list(sched.running):
-            sched.remove(seq.request_id)
-            self.engine._texts.pop(seq.request_id, None)
-            cb = self._callbacks.pop(seq.request_id, None)
+        for rid, prompt_tokens in self.engine.drop_running():
+            cb = self._callbacks.pop(rid, None)
             if cb is not None:
-                cb(_error_output(seq.request_id, message, seq.prompt_len))
+                cb(_error_output(rid, message, prompt_tokens))
 
     def _abort_all(self) -> None:
         for rid in list(self._callbacks):
             self.engine.abort(rid)
-        for out in self.engine._drain_aborted():
+        for out in self.engine.drain_aborted():
             self._deliver(out)
         for rid, cb in list(self._callbacks.items()):
             cb(_error_output(rid, "internal error: server shutting down", 0))

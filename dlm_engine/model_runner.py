@@ -1,24 +1,31 @@
-"""One denoising step for a batch of rows: batched forward, proposals, selection, commit.
+"""One denoising step for a batch of rows: batched forwards, proposals, selection, commit.
 
-Rows are right-padded to a common length with per-row position ids and a key-padding mask,
-so padding never shifts RoPE positions or enters attention. Logits are computed only for each
+Rows are right-padded to a common length with per-row position ids and a key-padding mask, so
+padding never shifts RoPE positions or enters attention. Logits are computed only for each
 row's active window (its block; shifted one left for Dream), which is exact: positions outside
 the window are never selected by the published loops. The only device-to-host copy is the
 committed windows at the end.
+
+Rows fall in up to three groups per step, each one forward: exact rows (full forward), cached
+rows at a block start (full forward that refreshes their KV cache) and cached rows inside a
+block (forward over a span against the cache). On CUDA each forward replays a captured graph.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from .cuda_graphs import GraphCache, round_up
 from .decoding import RowDecode, propose, select_transfers
+from .kv_cache import KVPool, RefreshKV, SpanKV
 from .models.common import ForwardBatch
 from .sequence import Sequence
 
 
 class ModelRunner:
-    """Owns the model and runs batched steps over `Sequence`s."""
+    """Owns the model (and its KV pool and graphs) and runs batched steps over `Sequence`s."""
 
     def __init__(
         self,
@@ -28,6 +35,9 @@ class ModelRunner:
         eos_id: int,
         pad_id: int,
         device: torch.device,
+        *,
+        max_rows: int = 16,
+        cuda_graphs: bool = True,
     ) -> None:
         self.model = model
         self.family = family
@@ -35,13 +45,31 @@ class ModelRunner:
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.device = device
+        self.max_rows = max_rows
         self.shift = int(getattr(model, "logits_shift", 0))
         self.model_vocab = int(model.vocab_size)
+        self.graphs = GraphCache(device) if cuda_graphs and device.type == "cuda" else None
+        self.length_multiple = 32 if self.graphs is not None else 1
+        self.pool: KVPool | None = None
+        self.slots: dict[str, int] = {}
+        self.refreshes = 0
+        self.span_steps = 0
 
-    def _forward_rows(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B, K, V] and current tokens [B, K] over each row's window.
+    # ---- forwards ---------------------------------------------------------------------------
+    def _run(self, key: tuple, fn, inputs: dict[str, torch.Tensor], row_pad: dict) -> torch.Tensor:
+        if self.graphs is None:
+            with torch.inference_mode():
+                return fn(inputs)
+        return self.graphs.run(key, fn, inputs, row_pad)
 
-        CFG rows get their unconditional pass (prompt masked) as extra rows."""
+    def _windows(self, seqs: list[Sequence], width: int) -> torch.Tensor:
+        starts = torch.tensor([s.window_start for s in seqs], device=self.device)
+        return starts[:, None] + torch.arange(width, device=self.device)
+
+    def _full_forward(
+        self, seqs: list[Sequence], width: int, refresh: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [n, width, V] and current window tokens for a full forward over each row."""
         rows = [s.tokens for s in seqs]
         cfg = [i for i, s in enumerate(seqs) if s.params.cfg_scale > 0]
         for i in cfg:
@@ -50,18 +78,20 @@ class ModelRunner:
             rows.append(un)
         lengths = torch.tensor([r.numel() for r in rows], device=self.device)
         ids = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=self.pad_id)
-        t = ids.shape[1]
-        ar = torch.arange(t, device=self.device)
-        key_mask = ar[None, :] < lengths[:, None]
-        positions = ar.expand(len(rows), t)
-        width = max(s.window_width for s in seqs)
-        starts = [s.window_start for s in seqs] + [seqs[i].window_start for i in cfg]
-        win = torch.tensor(starts, device=self.device)[:, None] + torch.arange(
-            width, device=self.device
-        )
+        t = round_up(ids.shape[1], self.length_multiple)
+        ids = F.pad(ids, (0, t - ids.shape[1]), value=self.pad_id)
+        key_mask = torch.arange(t, device=self.device)[None, :] < lengths[:, None]
+        win = self._windows(seqs + [seqs[i] for i in cfg], width)
         index = (win - self.shift).clamp(0, t - 1)
-        with torch.inference_mode():
-            logits = self.model(ForwardBatch(ids, positions, key_mask, index))
+        inputs = {"ids": ids, "key_mask": key_mask, "index": index}
+        row_pad = {"ids": self.pad_id, "key_mask": True, "index": 0, "slots": self._trash_row()}
+        if refresh:
+            inputs["slots"] = torch.tensor(
+                [self.slots[s.request_id] for s in seqs], device=self.device
+            )
+        logits = self._run(
+            ("full", refresh, self._pool_id()), self._full_fn(refresh), inputs, row_pad
+        )
         if cfg:
             b = len(seqs)
             sel = torch.tensor(cfg, device=self.device)
@@ -74,9 +104,154 @@ class ModelRunner:
         current = ids[: len(seqs)].gather(1, win[: len(seqs)].clamp(max=t - 1))
         return logits, current
 
+    def _full_fn(self, refresh: bool):
+        model, pool = self.model, self.pool
+
+        def fn(x: dict[str, torch.Tensor]) -> torch.Tensor:
+            ids = x["ids"]
+            pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            kv = RefreshKV(pool, x["slots"]) if refresh else None
+            return model(ForwardBatch(ids, pos, x["key_mask"], x["index"], kv))
+
+        return fn
+
+    def _span_forward(self, seqs: list[Sequence], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and current window tokens for cached rows inside a block (span vs cache)."""
+        pool = self.pool
+        spans = []
+        for s in seqs:
+            start = s.window_start - self.shift
+            end = s.window_start + s.window_width if s.params.cache == "dual" else s.length
+            spans.append((start, end))
+        s_len = round_up(max(e - b for b, e in spans), self.length_multiple)
+        ids = torch.full((len(seqs), s_len), self.pad_id, dtype=torch.long, device=self.device)
+        for i, (s, (b, e)) in enumerate(zip(seqs, spans, strict=False)):
+            ids[i, : e - b] = s.tokens[b:e]
+        starts = torch.tensor([b for b, _ in spans], device=self.device)
+        span_len = torch.tensor([e - b for b, e in spans], device=self.device)
+        ar = torch.arange(s_len, device=self.device)
+        positions = starts[:, None] + ar
+        write_pos = torch.where(ar[None, :] < span_len[:, None], positions, pool.trash_pos)
+        lengths = torch.tensor([s.length for s in seqs], device=self.device)
+        cache_mask = torch.arange(pool.length + 1, device=self.device)[None, :] < lengths[:, None]
+        index = (
+            torch.arange(width, device=self.device).clamp(max=s_len - 1).expand(len(seqs), width)
+        )
+        inputs = {
+            "ids": ids,
+            "positions": positions,
+            "write_pos": write_pos,
+            "cache_mask": cache_mask,
+            "index": index.contiguous(),
+            "slots": torch.tensor([self.slots[s.request_id] for s in seqs], device=self.device),
+        }
+        row_pad = {
+            "ids": self.pad_id,
+            "positions": 0,
+            "write_pos": pool.trash_pos,
+            "cache_mask": True,
+            "index": 0,
+            "slots": pool.trash_row,
+        }
+        model = self.model
+
+        def fn(x: dict[str, torch.Tensor]) -> torch.Tensor:
+            kv = SpanKV(pool, x["slots"], x["write_pos"], x["cache_mask"])
+            return model(ForwardBatch(x["ids"], x["positions"], None, x["index"], kv))
+
+        logits = self._run(("span", self._pool_id()), fn, inputs, row_pad)
+        current = (
+            torch.stack([s.tokens[s.window_start : s.window_start + width] for s in seqs])
+            if all(s.window_width == width for s in seqs)
+            else self._current_padded(seqs, width)
+        )
+        return logits, current
+
+    def _current_padded(self, seqs: list[Sequence], width: int) -> torch.Tensor:
+        cur = torch.full((len(seqs), width), self.pad_id, dtype=torch.long, device=self.device)
+        for i, s in enumerate(seqs):
+            cur[i, : s.window_width] = s.tokens[s.window_start : s.window_start + s.window_width]
+        return cur
+
+    # ---- KV pool ----------------------------------------------------------------------------
+    def _pool_id(self) -> int:
+        return id(self.pool) if self.pool is not None else 0
+
+    def _trash_row(self) -> int:
+        return self.pool.trash_row if self.pool is not None else 0
+
+    def _ensure_slots(self, seqs: list[Sequence]) -> None:
+        need = max(s.length for s in seqs)
+        if self.pool is None or need > self.pool.length:
+            length = round_up(need, 64)
+            if self.pool is None:
+                m = self.model
+                a = m.arch
+                n_layers = getattr(a, "n_layers", None) or a.num_hidden_layers
+                heads = getattr(a, "n_heads", None) or a.num_attention_heads
+                kv = getattr(a, "n_kv_heads", None) or a.num_key_value_heads
+                hidden = getattr(a, "d_model", None) or a.hidden_size
+                dtype = next(p.dtype for p in m.parameters() if p.is_floating_point())
+                if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                    dtype = torch.bfloat16
+                self.pool = KVPool(
+                    n_layers, self.max_rows, kv, hidden // heads, length, dtype, self.device
+                )
+            else:
+                self.pool = self.pool.grown(length)
+            if self.graphs is not None:
+                self.graphs.clear()
+        for s in seqs:
+            if s.request_id not in self.slots:
+                self.slots[s.request_id] = self.pool.allocate()
+
+    def release(self, request_id: str) -> None:
+        """Give a finished or aborted request's cache row back."""
+        slot = self.slots.pop(request_id, None)
+        if slot is not None and self.pool is not None:
+            self.pool.release(slot)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def _window_logits(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(s.window_width for s in seqs)
+        cached = [s for s in seqs if s.params.cache != "none"]
+        if cached:
+            self._ensure_slots(cached)
+        groups: list[tuple[list[int], str]] = []
+        exact = [i for i, s in enumerate(seqs) if s.params.cache == "none"]
+        refresh = [
+            i for i, s in enumerate(seqs) if s.params.cache != "none" and s.step_in_block == 0
+        ]
+        span = [i for i, s in enumerate(seqs) if s.params.cache != "none" and s.step_in_block > 0]
+        groups = [
+            (g, kind) for g, kind in ((exact, "exact"), (refresh, "refresh"), (span, "span")) if g
+        ]
+        if len(groups) == 1:
+            return self._group(groups[0][1], seqs, width)
+        logits = current = None
+        for idx, kind in groups:
+            lg, cur = self._group(kind, [seqs[i] for i in idx], width)
+            if logits is None:
+                logits = lg.new_empty((len(seqs), *lg.shape[1:]))
+                current = cur.new_empty((len(seqs), width))
+            sel = torch.tensor(idx, device=self.device)
+            logits[sel] = lg
+            current[sel] = cur
+        return logits, current
+
+    def _group(
+        self, kind: str, seqs: list[Sequence], width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if kind == "span":
+            self.span_steps += 1
+            return self._span_forward(seqs, width)
+        if kind == "refresh":
+            self.refreshes += 1
+        return self._full_forward(seqs, width, refresh=kind == "refresh")
+
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
         """Run one step for all rows; returns each row's window after this step's commits."""
-        logits, current = self._forward_rows(seqs)
+        logits, current = self._window_logits(seqs)
         dev = self.device
         widths = torch.tensor([s.window_width for s in seqs], device=dev)
         valid = torch.arange(logits.shape[1], device=dev)[None, :] < widths[:, None]

@@ -239,6 +239,8 @@ def resolve(
         raise InvalidRequestError("stream_mode", f"must be one of {', '.join(STREAM_MODES)}")
     if p.cache not in CACHE_MODES:
         raise InvalidRequestError("cache", f"must be one of {', '.join(CACHE_MODES)}")
+    if p.cache != "none" and p.cfg_scale > 0:
+        raise InvalidRequestError("cache", "cached mode cannot be combined with cfg_scale")
     return ResolvedParams(
         max_tokens=max_tokens,
         steps=steps,

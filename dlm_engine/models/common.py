@@ -76,9 +76,10 @@ def attention(
 
 
 class ForwardBatch:
-    """What one batched forward needs: tokens, per-row positions, key mask, logit positions."""
+    """What one batched forward needs: tokens, per-row positions, key mask, logit positions,
+    and optionally a KV context (cached mode) that decides what attention reads and stores."""
 
-    __slots__ = ("input_ids", "positions", "key_mask", "logits_index")
+    __slots__ = ("input_ids", "positions", "key_mask", "logits_index", "kv")
 
     def __init__(
         self,
@@ -86,11 +87,18 @@ class ForwardBatch:
         positions: torch.Tensor,
         key_mask: torch.Tensor | None,
         logits_index: torch.Tensor | None,
+        kv=None,
     ) -> None:
         self.input_ids = input_ids
         self.positions = positions
         self.key_mask = key_mask
         self.logits_index = logits_index
+        self.kv = kv
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.kv is None:
+            return attention(q, k, v, self.key_mask)
+        return self.kv.attend(layer, q, k, v, self.key_mask)
 
 
 def gather_positions(hidden: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import ForwardBatch, RMSNorm, apply_rope, attention, gather_positions, rope_tables
+from .common import ForwardBatch, RMSNorm, apply_rope, gather_positions, rope_tables
 
 
 @dataclass(frozen=True)
@@ -58,14 +58,14 @@ class DreamAttention(nn.Module):
         self.v_proj = nn.Linear(a.hidden_size, kv_dim, bias=True)
         self.o_proj = nn.Linear(a.hidden_size, a.hidden_size, bias=False)
 
-    def forward(self, h: torch.Tensor, rope, key_mask) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rope, batch: ForwardBatch, layer: int) -> torch.Tensor:
         b, t, _ = h.shape
         q = self.q_proj(h).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin, in_fp32=False), apply_rope(k, cos, sin, in_fp32=False)
-        return self.o_proj(attention(q, k, v, key_mask).transpose(1, 2).reshape(b, t, -1))
+        return self.o_proj(batch.attend(layer, q, k, v).transpose(1, 2).reshape(b, t, -1))
 
 
 class DreamMLP(nn.Module):
@@ -87,8 +87,8 @@ class DreamLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = DreamMLP(a)
 
-    def forward(self, x: torch.Tensor, rope, key_mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, key_mask)
+    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch, layer: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, batch, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -120,8 +120,8 @@ class DreamModel(nn.Module):
         x = self.model.embed_tokens(batch.input_ids)
         a = self.arch
         rope = rope_tables(batch.positions, a.hidden_size // a.num_attention_heads, a.rope_theta)
-        for layer in self.model.layers:
-            x = layer(x, rope, batch.key_mask)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, batch, i)
         return x
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

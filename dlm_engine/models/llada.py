@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import ForwardBatch, RMSNorm, apply_rope, attention, gather_positions, rope_tables
+from .common import ForwardBatch, RMSNorm, apply_rope, gather_positions, rope_tables
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,11 @@ class LLaDABlock(nn.Module):
         self.ff_out = nn.Linear(a.mlp_hidden_size, a.d_model, bias=a.include_bias)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], key_mask
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+        layer: int,
     ) -> torch.Tensor:
         b, t, _ = x.shape
         h = self.attn_norm(x)
@@ -84,7 +88,7 @@ class LLaDABlock(nn.Module):
         v = self.v_proj(h).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin, in_fp32=True), apply_rope(k, cos, sin, in_fp32=True)
-        att = attention(q, k, v, key_mask).transpose(1, 2).reshape(b, t, -1)
+        att = batch.attend(layer, q, k, v).transpose(1, 2).reshape(b, t, -1)
         x = x + self.attn_out(att)
         h = self.ff_norm(x)
         return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
@@ -126,8 +130,8 @@ class LLaDAModel(nn.Module):
         rope = rope_tables(
             batch.positions, self.arch.d_model // self.arch.n_heads, self.arch.rope_theta
         )
-        for block in tr.blocks:
-            x = block(x, rope, batch.key_mask)
+        for i, block in enumerate(tr.blocks):
+            x = block(x, rope, batch, i)
         return x
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,101 @@
+"""CUDA graphs for the batched forwards: one captured graph per padded shape.
+
+At batch 1 a step of an 8B model is bound by kernel launches, not by the GPU (see
+docs/benchmarks.md). Replaying a captured graph removes them. The caller pads columns to a
+bucketed length itself (it knows what padding means for each input); this cache pads rows to
+a row bucket with a per-input value that makes padded rows harmless, copies the inputs into
+the graph's static buffers and replays.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+Inputs = dict[str, torch.Tensor]
+
+
+def bucket_rows(n: int) -> int:
+    for b in ROW_BUCKETS:
+        if n <= b:
+            return b
+    return -(-n // 16) * 16
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: Inputs
+    out: torch.Tensor
+
+
+class GraphCache:
+    """Captures `fn(static_inputs)` once per key and row bucket; replays it afterwards."""
+
+    def __init__(self, device: torch.device, max_graphs: int = 64) -> None:
+        self.device = device
+        self.max_graphs = max_graphs
+        self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self.pool = torch.cuda.graph_pool_handle()
+        self.captures = 0
+
+    def clear(self) -> None:
+        self.graphs.clear()
+
+    def run(
+        self,
+        key: tuple,
+        fn: Callable[[Inputs], torch.Tensor],
+        inputs: Inputs,
+        row_pad: dict[str, int | float | bool],
+    ) -> torch.Tensor:
+        rows = next(iter(inputs.values())).shape[0]
+        full_key = (
+            key,
+            bucket_rows(rows),
+            tuple((n, tuple(t.shape[1:])) for n, t in inputs.items()),
+        )
+        entry = self.graphs.get(full_key)
+        if entry is None:
+            entry = self._capture(full_key, fn, inputs, row_pad)
+        self.graphs.move_to_end(full_key)
+        for name, value in inputs.items():
+            buf = entry.inputs[name]
+            buf[:rows].copy_(value)
+            if buf.shape[0] > rows:
+                buf[rows:].fill_(row_pad[name])
+        entry.graph.replay()
+        return entry.out[:rows]
+
+    def _capture(self, key: tuple, fn, inputs: Inputs, row_pad) -> _Captured:
+        rows = key[1]
+        static = {
+            n: torch.full((rows, *t.shape[1:]), row_pad[n], dtype=t.dtype, device=self.device)
+            for n, t in inputs.items()
+        }
+        for n, t in inputs.items():
+            static[n][: t.shape[0]].copy_(t)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(2):  # warm up on a side stream, as capture requires
+                fn(static)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
+            out = fn(static)
+        entry = _Captured(graph, static, out)
+        self.graphs[key] = entry
+        self.captures += 1
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+        return entry
