@@ -410,32 +410,19 @@ class TritonServerProcess:
         Triton 2.51 does not unload a decoupled model while its requests are open, so a SIGTERM
         with requests generating runs into the exit timeout (exit 1, sometimes a crash). The
         model's watcher sees this file, refuses new requests, lets running ones finish for
-        ``DLM_DRAIN_TIMEOUT`` s and aborts the rest; we wait for its in-flight gauge to hit 0.
+        ``DLM_DRAIN_TIMEOUT`` s, aborts the rest, and answers with ``drained-<instance>`` once
+        idle (one file per model instance).
         """
         if self.drain_file is None or not self.running():
             return False
         self.drain_file.touch()
+        instances = max(1, len(self.stub_pids()))
         deadline = time.monotonic() + self.drain_timeout_s + 5.0
         while time.monotonic() < deadline and self.running():
-            if self._in_flight() == 0:
+            if len(list(self.drain_file.parent.glob("drained-*"))) >= instances:
                 return True
-            time.sleep(0.1)
+            time.sleep(0.05)
         return False
-
-    def _in_flight(self) -> float | None:
-        """Sum of ``dlm_requests_in_flight`` on the metrics port (None if unreadable)."""
-        url = f"http://127.0.0.1:{self.ports.metrics}/metrics"
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                text = resp.read().decode()
-        except (urllib.error.URLError, OSError):
-            return None
-        values = [
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("dlm_requests_in_flight{")
-        ]
-        return sum(values) if values else None
 
     def __enter__(self) -> TritonServerProcess:
         return self.start()

@@ -95,7 +95,8 @@ class TritonPythonModel:
         if "quantization" not in accepted and wanted["quantization"]:
             raise ValueError(f"this engine does not support quantization={s.quantization!r}")
         self.engine = Engine(EngineConfig(**{k: v for k, v in wanted.items() if k in accepted}))
-        self.metrics = Metrics(pb_utils, self.model_name, args.get("model_instance_name", "0"))
+        self.instance_name = args.get("model_instance_name", "0")
+        self.metrics = Metrics(pb_utils, self.model_name, self.instance_name)
         self._instrument_step()
 
         self._live: dict[str, _Live] = {}
@@ -322,6 +323,7 @@ class TritonPythonModel:
         """Client cancel / disconnect -> the row leaves the batch before the next step.
         Also watches the launcher's drain file."""
         drain_deadline: float | None = None
+        drained = False
         for tick in itertools.count():
             if self._stop.wait(WATCH_INTERVAL_S):
                 return
@@ -332,6 +334,9 @@ class TritonPythonModel:
                 pb_utils.Logger.log_info(
                     f"dlm model {self.model_name}: draining {len(self._live)} requests"
                 )
+            if drain_deadline is not None and not self._live and not drained:
+                drained = True  # tell the launcher this instance is idle: SIGTERM is safe now
+                Path(DRAIN_FILE).with_name(f"drained-{self.instance_name}").touch()
             if drain_deadline is not None and time.monotonic() > drain_deadline:
                 for live in list(self._live.values()):
                     if not live.abort_sent:
