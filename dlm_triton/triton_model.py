@@ -343,12 +343,15 @@ class TritonPythonModel:
                         live.abort_sent = True
                         self.loop.cancel(live.rid)
             for live in list(self._live.values()):
-                if live.cancel_requested or live.closed:
-                    continue
-                try:
-                    cancelled = live.request.is_cancelled()
-                except Exception:  # a finished request may be gone already
-                    continue
+                # Under the request's lock: once its final response is sent Triton frees the
+                # response factory, and is_cancelled() on it then segfaults tritonserver.
+                with live.lock:
+                    if live.cancel_requested or live.closed:
+                        continue
+                    try:
+                        cancelled = live.request.is_cancelled()
+                    except Exception:
+                        continue
                 if cancelled:
                     live.cancel_requested = True
                     self.loop.cancel(live.rid)
