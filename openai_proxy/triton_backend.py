@@ -57,6 +57,8 @@ class BackendState:
     client: InferenceServerClient
     ready: bool = False
     models: set[str] = field(default_factory=set)
+    # Every model in the repository index with its state (READY, LOADING, UNAVAILABLE, ...).
+    states: dict[str, str] = field(default_factory=dict)
     last_error: str = ""
     last_probe: float = 0.0
     in_flight: int = 0
@@ -113,17 +115,18 @@ class TritonBackend:
         was_ready = st.ready
         try:
             ready = await st.client.is_server_ready(client_timeout=timeout)
-            models: set[str] = set()
+            states: dict[str, str] = {}
             if ready:
                 index = await st.client.get_model_repository_index(
                     as_json=True, client_timeout=timeout
                 )
-                models = {m["name"] for m in index.get("models", []) if m.get("state") == "READY"}
+                states = {m["name"]: m.get("state", "") for m in index.get("models", [])}
                 if self.config.models:
-                    models &= set(self.config.models)
-            st.ready, st.models, st.last_error = bool(ready), models, ""
+                    states = {k: v for k, v in states.items() if k in self.config.models}
+            models = {name for name, state in states.items() if state == "READY"}
+            st.ready, st.models, st.states, st.last_error = bool(ready), models, states, ""
         except Exception as exc:  # any failure = not ready; the message is kept for /health
-            st.ready, st.models = False, set()
+            st.ready, st.models, st.states = False, set(), {}
             st.last_error = _short(exc)
         st.last_probe = time.monotonic()
         if was_ready != st.ready:
@@ -173,6 +176,13 @@ class TritonBackend:
             return
         if not self.any_ready():
             raise self._unavailable()
+        if any(st.states.get(model) == "LOADING" for st in self._states):
+            # Being loaded: worth retrying soon (an unloaded or failed model is a 404).
+            raise ServiceUnavailable(
+                f"model '{model}' is still loading in Triton",
+                self.config.retry_after_s,
+                code="model_not_ready",
+            )
         raise ModelNotFound(model)
 
     def _candidates(self, model: str) -> list[BackendState]:
