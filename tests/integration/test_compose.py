@@ -433,12 +433,17 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("model", ["default", "checkpoint-dir"])
 def test_compose_command_serves_and_stops_like_docker(
-    compose_cmd: tuple[list[str], dict[str, str]], tiny_checkpoint: Path, tmp_path: Path
+    compose_cmd: tuple[list[str], dict[str, str]],
+    tiny_checkpoint: Path,
+    tmp_path: Path,
+    model: str,
 ) -> None:
-    """What the container runs, without the container: ENTRYPOINT + compose's command for a
-    mounted checkpoint, its own health-check command, then SIGTERM as ``docker stop`` sends it
-    through tini. It must exit 0 within stop_grace_period and leave no stub or shm file."""
+    """What the container runs, without the container: ENTRYPOINT + compose's command (the
+    default model, or DLM_MODEL naming a mounted checkpoint), its own health-check command,
+    then SIGTERM as ``docker stop`` sends it through tini. It must exit 0 within
+    stop_grace_period and leave no stub or shm file."""
     from dlm_triton.launcher import Ports
     from dlm_triton.server_dist import TritonNotFoundError, find_server
 
@@ -447,7 +452,8 @@ def test_compose_command_serves_and_stops_like_docker(
     except TritonNotFoundError:
         pytest.skip("no tritonserver available")
 
-    triton = resolve(compose_cmd, env={"DLM_MODEL": str(tiny_checkpoint)})["services"]["triton"]
+    chosen = {"DLM_MODEL": str(tiny_checkpoint)} if model == "checkpoint-dir" else {}
+    triton = resolve(compose_cmd, env=chosen)["services"]["triton"]
     ports = Ports.free()
     script = Path(sys.executable).with_name("dlm-triton")
     entrypoint = (
@@ -479,7 +485,7 @@ def test_compose_command_serves_and_stops_like_docker(
             assert time.monotonic() < deadline, "never healthy"
             time.sleep(1)
 
-        name = tiny_checkpoint.name.lower()
+        name = tiny_checkpoint.name.lower() if chosen else triton["environment"]["DLM_MODEL"]
         body = json.dumps({"text_input": "Hello", "max_tokens": 8, "steps": 8}).encode()
         request = urllib.request.Request(
             f"http://127.0.0.1:{ports.http}/v2/models/{name}/generate", data=body
