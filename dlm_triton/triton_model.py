@@ -110,9 +110,11 @@ class TritonPythonModel:
         self._watcher = threading.Thread(target=self._watch_loop, name="dlm-watch", daemon=True)
         self._sender.start()
         self._watcher.start()
+        import torch
+
         pb_utils.Logger.log_info(
             f"dlm model {self.model_name}: checkpoint={s.checkpoint} device={s.device} "
-            f"dtype={s.dtype} max_rows={s.max_rows}"
+            f"dtype={s.dtype} max_rows={s.max_rows} torch_threads={torch.get_num_threads()}"
         )
 
     def _instrument_step(self) -> None:
