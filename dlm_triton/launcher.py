@@ -199,10 +199,13 @@ class TritonServerProcess:
         path = Path(target).expanduser()
         repo = committed_repository()
         is_dir = path.is_dir() and (path / "config.json").exists()
-        is_hub_id = "/" in target and not path.exists() and not (repo / target).exists()
-        if is_dir or is_hub_id:
+        # hub ids ("org/name") and engine specs ("random:llada-8b") pass through to the loader
+        is_spec = (
+            any(c in target for c in "/:") and not path.exists() and not (repo / target).exists()
+        )
+        if is_dir or is_spec:
             checkpoint = str(path.resolve()) if is_dir else target
-            base = path.resolve().name if is_dir else target.rsplit("/", 1)[-1]
+            base = path.resolve().name if is_dir else target.replace(":", "-").rsplit("/", 1)[-1]
             name = self.requested_name or model_repo.sanitize_name(base)
             runtime = Path(tempfile.mkdtemp(prefix="dlm-triton-repo-"))
             spec = model_repo.ModelSpec(name, checkpoint)

@@ -242,3 +242,26 @@ def test_malformed_requests_get_clear_errors_while_a_good_one_completes(
     with pytest.raises(DLMError) as info:
         client.generate("a", max_tokens="many")
     assert info.value.invalid
+
+
+def test_committed_repository_model_serves_with_env_overrides(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """``model_repository/tiny-dlm`` itself (its CPU config and shim), the checkpoint given
+    through DLM_CHECKPOINT as ``dlm-triton serve --model tiny-dlm`` would pass it."""
+    from dlm_triton.launcher import Ports, TritonServerProcess
+
+    server = TritonServerProcess(
+        "tiny-dlm",
+        device="cpu",
+        engine_params={"checkpoint": str(tiny_checkpoint), "max_rows": "4"},
+        ports=Ports.free(),
+        log_path=tmp_path / "triton.log",
+        exit_timeout_s=5,
+    )
+    with server:
+        assert server.model_name == "tiny-dlm"
+        assert server.choice.env["DLM_CHECKPOINT"] == str(tiny_checkpoint)
+        client = DLMClient(server.urls["grpc"], "tiny-dlm")
+        assert client.generate("hi", max_tokens=8, steps=4).finish_reason in ("stop", "length")
+    assert "max_rows=4" in (tmp_path / "triton.log").read_text()
