@@ -21,7 +21,7 @@ import proxy_fixtures
 import pytest
 from proxy_fixtures import ProxyProcess
 
-from dlm_triton.launcher import Ports, TritonServerProcess
+from dlm_triton.launcher import Ports, TritonServerProcess, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -365,5 +365,62 @@ def test_sigterm_drains_running_streams(
         assert not any("error" in e for e in events)
         assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
         assert p.proc is not None and p.proc.wait(timeout=30) == 0
+    finally:
+        p.stop()
+
+
+# ------------------------------------------------------------------------------------------------
+# Several Triton URLs: dead ones are skipped, live ones share the load
+
+
+def test_dead_triton_url_is_skipped(
+    triton_server: TritonServerProcess, model: str, tmp_path: Path
+) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    p = ProxyProcess([dead, triton_server.urls["grpc"]], log_path=tmp_path / "proxy.log").start()
+    try:
+        client = p.client()
+        for _ in range(4):
+            r = client.completions.create(model=model, prompt="hello", max_tokens=4)
+            assert r.choices[0].finish_reason in ("stop", "length")
+        health = httpx.get(p.base_url + "/health").json()
+        assert health["status"] == "ok"
+        assert {h["url"]: h["ready"] for h in health["triton"]} == {
+            dead: False,
+            triton_server.urls["grpc"]: True,
+        }
+    finally:
+        p.stop()
+
+
+def test_requests_are_spread_over_ready_tritons(
+    triton_server: TritonServerProcess,
+    tiny_checkpoint: Path,
+    server_factory: Callable[..., TritonServerProcess],
+    tmp_path: Path,
+) -> None:
+    from conftest import read_metric
+
+    # The same model name on a second server, as a replica would be deployed.
+    second = server_factory(tiny_checkpoint, name=triton_server.model_name)
+    servers = [triton_server, second]
+
+    def finished(s: TritonServerProcess) -> float:
+        return sum(read_metric(s, "dlm_requests_total", outcome=o) for o in ("stop", "length"))
+
+    before = [finished(s) for s in servers]
+    p = ProxyProcess([s.urls["grpc"] for s in servers], log_path=tmp_path / "proxy.log").start()
+    try:
+        client = p.client()
+        texts = {
+            client.completions.create(model=second.model_name, prompt="hello", max_tokens=8)
+            .choices[0]
+            .text
+            for _ in range(6)
+        }
+        assert len(texts) == 1  # replicas of one checkpoint answer alike
+        served = [finished(s) - b for s, b in zip(servers, before, strict=True)]
+        assert sum(served) == 6
+        assert all(n >= 2 for n in served), f"round-robin should use both servers: {served}"
     finally:
         p.stop()
