@@ -96,6 +96,7 @@ def serve(args: argparse.Namespace) -> int:
         ready_timeout_s=args.ready_timeout,
         exit_timeout_s=args.exit_timeout,
         gpu_metrics=True if args.gpu_metrics else None,
+        die_with_parent=True,
         verbose=args.verbose,
     )
     print(f"starting tritonserver for {args.model or DEFAULT_MODEL} ...", file=sys.stderr)

@@ -154,6 +154,7 @@ class TritonServerProcess:
         ready_timeout_s: float = 300.0,
         exit_timeout_s: int = 10,
         gpu_metrics: bool | None = None,
+        die_with_parent: bool = False,
         dist: ServerDist | None = None,
         verbose: bool = False,
     ) -> None:
@@ -168,6 +169,7 @@ class TritonServerProcess:
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
         self.exit_timeout_s = exit_timeout_s
+        self.die_with_parent = die_with_parent
         self.stop_timeout_s = exit_timeout_s + 10.0  # Triton's own wait, then SIGKILL
         self.gpu_metrics = self.device.startswith("cuda") if gpu_metrics is None else gpu_metrics
         self.verbose = verbose
@@ -282,6 +284,7 @@ class TritonServerProcess:
         self.server = subprocess.Popen(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
             start_new_session=True,
+            preexec_fn=_term_with_parent if self.die_with_parent else None,
         )  # fmt: skip
         try:
             self._wait_ready()
@@ -464,6 +467,16 @@ class TritonServerProcess:
 def _suppress() -> contextlib.suppress:
     """Ignore a process or file that vanished in between."""
     return contextlib.suppress(ProcessLookupError, FileNotFoundError, PermissionError)
+
+
+def _term_with_parent() -> None:
+    """In the child: SIGTERM when the launcher dies (even by SIGKILL), so tritonserver is not
+    orphaned. Linux ties this to the *thread* that started it: only for launchers that start
+    the server from their main thread (``dlm-triton serve``)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _terminate(proc: subprocess.Popen, timeout: float) -> bool:
