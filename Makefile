@@ -10,6 +10,7 @@ SERVE_ARGS ?=
 PYTEST_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 STAMP := $(VENV)/.dlm-installed
+LIBPYTHON := /usr/lib/x86_64-linux-gnu/libpython3.11.so.1.0
 
 .PHONY: venv serve test lint format clean-venv
 
@@ -20,6 +21,8 @@ $(STAMP): pyproject.toml
 	  $(SUDO) apt-get update && $(SUDO) apt-get install -y python3.11; }
 	@$(PYTHON) -c "import ensurepip, venv" 2>/dev/null || { echo "installing python3.11-venv"; \
 	  $(SUDO) apt-get update && $(SUDO) apt-get install -y python3.11-venv; }
+	@test -e $(LIBPYTHON) || { echo "installing libpython3.11 (embedded by the Triton stub)"; \
+	  $(SUDO) apt-get update && $(SUDO) apt-get install -y libpython3.11; }
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(BIN)/pip install -e ".[serve,dev,quant]"
