@@ -256,9 +256,10 @@ class TritonBackend:
                     got_any = True
                     yield event
                 return
-            except ServiceUnavailable:
-                # Nothing sent yet and the server went away: another URL may serve it.
-                st.ready = False
+            except ServiceUnavailable as err:
+                # Nothing received yet and this server is gone or full: another URL may serve it.
+                if err.code == "triton_unavailable":
+                    st.ready = False
                 if got_any or len(tried) >= len(self._states):
                     raise
 
