@@ -424,3 +424,36 @@ def test_requests_are_spread_over_ready_tritons(
         assert all(n >= 2 for n in served), f"round-robin should use both servers: {served}"
     finally:
         p.stop()
+
+
+def test_request_timeout_is_504_and_frees_the_row(
+    triton_server: TritonServerProcess,
+    model: str,
+    metric: Callable[..., float],
+    tmp_path: Path,
+) -> None:
+    p = ProxyProcess(
+        [triton_server.urls["grpc"]], ["--request-timeout", "0.3"], log_path=tmp_path / "p.log"
+    ).start()
+    try:
+        aborts = metric("dlm_requests_total", outcome="abort")
+        r = httpx.post(
+            p.base_url + "/v1/completions",
+            json={"model": model, "prompt": "hello", **LONG},
+            timeout=60,
+        )
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["type"] == "timeout"
+        wait_for(
+            lambda: metric("dlm_requests_total", outcome="abort") == aborts + 1,
+            15,
+            "Triton to abort the timed-out request",
+        )
+        # Streaming: the headers are out, so the timeout arrives as an error event.
+        body = {"model": model, "prompt": "hello", "stream": True, "stream_mode": "denoise", **LONG}
+        with httpx.stream("POST", p.base_url + "/v1/completions", json=body, timeout=60) as s:
+            lines = [line for line in s.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        assert sse_events(lines)[-1]["error"]["type"] == "timeout"
+    finally:
+        p.stop()
