@@ -77,6 +77,36 @@ def test_http_generate_stream_with_plain_http(client: DLMClient, triton_server) 
     r = httpx.post(triton_server.urls["generate_stream"], json=plain, timeout=120)
     last = json.loads([x for x in r.text.splitlines() if x.startswith("data: ")][-1][6:])
     assert last["text_output"] == text
+    # Non-streaming requests send exactly one response, so plain /generate works as well.
+    url = triton_server.urls["generate_stream"].removesuffix("_stream")
+    one = httpx.post(url, json={"text_input": "Hello there", **settings}, timeout=120).json()
+    assert (one["text_output"], one["finish_reason"]) == (text, last["finish_reason"])
+
+
+def test_cli_generate_over_grpc_and_http(triton_server, capsys) -> None:
+    from dlm_triton.cli import main
+
+    common = ["--model", triton_server.model_name, "--raw", "--max-tokens", "8", "--steps", "4"]
+    assert main(["generate", "Hello", "--url", triton_server.urls["grpc"], *common]) == 0
+    grpc_text = capsys.readouterr().out
+    http = ["--http", "--http-url", triton_server.urls["http"], "--stream"]
+    assert main(["generate", "Hello", *http, *common]) == 0
+    assert capsys.readouterr().out == grpc_text
+    assert (
+        main(
+            [
+                "generate",
+                "Hello",
+                "--url",
+                triton_server.urls["grpc"],
+                *common,
+                "--param",
+                "algorithm=nope",
+            ]
+        )
+        == 2
+    )
+    assert "invalid request: algorithm" in capsys.readouterr().err
 
 
 def test_outputs_equal_the_engines_own(client: DLMClient, tiny_checkpoint: Path) -> None:
