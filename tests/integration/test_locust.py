@@ -144,7 +144,9 @@ def test_locust_20s_against_cpu_stack_has_no_failures(
     for name in ("proxy chat stream", "grpc stream"):
         ttft, e2e = rows[("TTFT", name)], rows[("E2E", name)]
         assert int(ttft["Request Count"]) > 0, name
-        assert float(ttft["Average Response Time"]) <= float(e2e["Average Response Time"])
+        # Each TTFT is at most its own request's E2E (averages cover different sets: requests
+        # that ended without text have an E2E but no TTFT).
+        assert float(ttft["Max Response Time"]) <= float(e2e["Max Response Time"])
     assert "generated tokens/s" in proc.stdout + proc.stderr
 
 
