@@ -1,0 +1,221 @@
+"""Quality of the embedded tiny-dlm through the engine: exact match vs. decoding speed.
+
+Asks held-out questions (never seen in training, see `dlm_engine/training/tasks.py`) at
+temperature 0 through `dlm_engine.Engine`, at 1, 2 and 4 tokens per step (steps =
+max_tokens / k, LLaDA low-confidence remasking) and with confidence thresholds 0.9 / 0.7 /
+0.5, and reports exact-match accuracy against forwards per request (NFE) and tokens per
+forward. All requests of a setting go through the engine together, so it batches them.
+
+    python benchmarks/quality.py                 # 600 prompts, table + docs/quality_tradeoff.png
+    python benchmarks/quality.py --n 120 --no-plot
+
+It records, it does not assert (tests/unit/test_tiny_dlm_quality.py does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlm_engine import Engine, EngineConfig, SamplingParams
+from dlm_engine.training import tasks
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = ROOT / "dlm_engine" / "assets" / "tiny-dlm"
+
+
+@dataclass
+class Setting:
+    """One decoding configuration of the sweep."""
+
+    name: str
+    params: dict[str, Any]
+
+
+@dataclass
+class Result:
+    """Accuracy and cost of one setting over the whole prompt set."""
+
+    name: str
+    params: dict[str, Any]
+    accuracy: float
+    per_task: dict[str, float]
+    mean_nfe: float
+    tokens_per_forward: float  # canvas positions decided per forward (max_tokens / NFE)
+    answer_tokens_per_forward: float  # completion tokens (no padding) per forward
+    seconds: float
+    wrong: list[dict[str, str]] = field(default_factory=list)
+
+
+def settings(max_tokens: int) -> list[Setting]:
+    """The sweep: k tokens a step, then confidence thresholds (steps capped at max_tokens)."""
+    out = [
+        Setting(f"k={k}", {"max_tokens": max_tokens, "steps": max_tokens // k}) for k in (1, 2, 4)
+    ]
+    out += [
+        Setting(f"threshold={t}", {"max_tokens": max_tokens, "threshold": t})
+        for t in (0.9, 0.7, 0.5)
+    ]
+    return out
+
+
+def run_setting(
+    engine: Engine, examples: list[tasks.Example], prompts: list[list[int]], setting: Setting
+) -> Result:
+    """All prompts through the engine at once; returns exact match and forwards used."""
+    params = SamplingParams(temperature=0.0, **setting.params)
+    finals: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"q{i}", ids, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    seconds = time.perf_counter() - t0
+    hits: dict[str, list[int]] = {}
+    wrong: list[dict[str, str]] = []
+    nfe = completion = 0
+    for i, ex in enumerate(examples):
+        out = finals[f"q{i}"]
+        ok = out.text.strip() == ex.answer
+        hits.setdefault(ex.task, []).append(int(ok))
+        nfe += out.steps
+        completion += out.completion_tokens
+        if not ok:
+            wrong.append({"question": ex.question, "expected": ex.answer, "got": out.text})
+    n = len(examples)
+    return Result(
+        name=setting.name,
+        params=setting.params,
+        accuracy=sum(sum(v) for v in hits.values()) / n,
+        per_task={t: sum(v) / len(v) for t, v in hits.items()},
+        mean_nfe=nfe / n,
+        tokens_per_forward=setting.params["max_tokens"] * n / nfe,
+        answer_tokens_per_forward=completion / nfe,
+        seconds=seconds,
+        wrong=wrong,
+    )
+
+
+def markdown_table(results: list[Result]) -> str:
+    """The table as it goes into docs/benchmarks.md."""
+    task_names = list(results[0].per_task)
+    head = (
+        "| setting | exact match | NFE / request | tokens / forward | answer tokens / forward | "
+        + " | ".join(task_names)
+        + " | wall s |"
+    )
+    sep = "|" + "---|" * (6 + len(task_names))
+    rows = [head, sep]
+    for r in results:
+        tasks_cells = " | ".join(f"{100 * r.per_task[t]:.1f}" for t in task_names)
+        rows.append(
+            f"| {r.name} | **{100 * r.accuracy:.1f}%** | {r.mean_nfe:.1f} | "
+            f"{r.tokens_per_forward:.2f} | {r.answer_tokens_per_forward:.2f} | {tasks_cells} | "
+            f"{r.seconds:.0f} |"
+        )
+    return "\n".join(rows)
+
+
+def plot(results: list[Result], path: Path, n: int) -> None:
+    """Accuracy against tokens per forward and against NFE (log2 axes); one point a setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    lo = min(100 * r.accuracy for r in results)
+    for ax, key, label in (
+        (axes[0], "answer_tokens_per_forward", "answer tokens per forward"),
+        (axes[1], "mean_nfe", "forwards per request (NFE)"),
+    ):
+        for group, marker, legend in (
+            ("k=", "o", "k tokens per step"),
+            ("threshold=", "s", "threshold"),
+        ):
+            pts = sorted(
+                (r for r in results if r.name.startswith(group)), key=lambda r: getattr(r, key)
+            )
+            xs = [getattr(r, key) for r in pts]
+            ys = [100 * r.accuracy for r in pts]
+            ax.plot(xs, ys, marker=marker, label=legend)
+            for j, (r, x, y) in enumerate(zip(pts, xs, ys, strict=True)):
+                dy = 6 if j % 2 == 0 else -12
+                ax.annotate(r.name, (x, y), textcoords="offset points", xytext=(5, dy), fontsize=8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(label)
+        ax.set_ylabel("exact match (%)")
+        ax.set_ylim(max(0.0, lo - 5), 100.5)
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(loc="lower left")
+    fig.suptitle(f"tiny-dlm: {n} held-out prompts, T=0, canvas 32, through dlm_engine")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> list[Result]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--n", type=int, default=600, help="held-out prompts (tasks interleaved)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-rows", type=int, default=100, help="engine rows per step")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    p.add_argument("--only", nargs="*", help="setting names to run (default: all)")
+    p.add_argument("--plot", default=str(ROOT / "docs" / "quality_tradeoff.png"))
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            max_rows=args.max_rows,
+            max_queue=max(1024, args.n),
+        )
+    )
+    examples = tasks.heldout_examples(args.n)
+    prompts = [engine.encode_prompt(messages=tasks.messages_for(e)) for e in examples]
+    print(
+        f"{args.n} held-out prompts, model {args.model} ({engine.loaded.dtype}, {args.device}, "
+        f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()})",
+        flush=True,
+    )
+    results: list[Result] = []
+    for s in settings(args.max_tokens):
+        if args.only and s.name not in args.only:
+            continue
+        r = run_setting(engine, examples, prompts, s)
+        results.append(r)
+        print(
+            f"{r.name:>14}: exact match {100 * r.accuracy:5.1f}%  NFE {r.mean_nfe:5.1f}  "
+            f"tokens/forward {r.tokens_per_forward:4.2f}  ({r.seconds:.0f} s)",
+            flush=True,
+        )
+    print()
+    print(markdown_table(results))
+    if not args.no_plot and results:
+        plot(results, Path(args.plot), args.n)
+        print(f"\nplot: {args.plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
