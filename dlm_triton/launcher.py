@@ -1,51 +1,57 @@
 """Start and stop tritonserver (and the OpenAI proxy) as one unit, by PID.
 
 One code path for ``dlm-triton serve``, the Docker entry point and the test fixtures:
-:class:`TritonServerProcess`. Why stop by hand: Triton 2.51 does not wait for decoupled
-requests still generating, can hang on SIGTERM after HTTP stream disconnects, and leaves Python
-stubs (which ignore SIGTERM) and their ``/dev/shm`` regions behind. So the proxy goes first
-(drain), then the server with a bounded wait and SIGKILL, then the stubs it started and the shm
-files named on their command lines.
+:class:`TritonServerProcess`. Why stop by hand: Triton 2.51 does not unload a decoupled model
+while its requests are open (a SIGTERM mid-generation runs into the exit timeout), and a killed
+server leaves Python stubs (which ignore SIGTERM) and their ``/dev/shm`` regions behind. So the
+proxy goes first (it drains), then the model drains through a file handshake, then the server
+gets SIGTERM with a bounded wait and SIGKILL, then the stubs it started and the shm files named
+on their command lines are removed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from dlm_triton import model_repo
+from dlm_triton.procs import (
+    alive,
+    cmdline,
+    free_port,
+    has_gpu,
+    http_ok,
+    proc_children,
+    suppress,
+    term_with_parent,
+    terminate,
+)
 from dlm_triton.server_dist import ServerDist, find_server
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "SHM_DIR",
+    "SHM_PREFIX",
+    "STUB_NAME",
+    "Ports",
+    "TritonServerProcess",
+    "free_port",
+]
 
 STUB_NAME = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "triton_python_backend_shm_region"
 DEFAULT_MODEL = "tiny-dlm"
 PROXY_DRAIN_S = float(os.environ.get("DLM_PROXY_STOP_TIMEOUT", "30"))  # proxy drains, then SIGKILL
-
-
-def free_port() -> int:
-    """A port free right now (tests run in parallel: never hard-code 8000)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def has_gpu() -> bool:
-    """Cheap GPU check without importing torch (that takes seconds)."""
-    return Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi") is not None
 
 
 def committed_repository() -> Path:
@@ -73,39 +79,6 @@ class ModelChoice:
     name: str
     env: dict[str, str]
     runtime_dir: Path | None = None  # written by us, removed at stop
-
-
-def _proc_children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (from /proc; no psutil dependency)."""
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    try:
-        return [int(x) for x in path.read_text().split()]
-    except (OSError, ValueError):
-        return []
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return []
-    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
-
-
-def _http_ok(url: str, timeout: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def proxy_command(ports: Ports, model_name: str, address: str) -> list[str] | None:
@@ -284,7 +257,7 @@ class TritonServerProcess:
         self.server = subprocess.Popen(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
             start_new_session=True,
-            preexec_fn=_term_with_parent if self.die_with_parent else None,
+            preexec_fn=term_with_parent if self.die_with_parent else None,
         )  # fmt: skip
         try:
             self._wait_ready()
@@ -306,7 +279,7 @@ class TritonServerProcess:
                     f"tritonserver exited with {self.server.returncode} while loading "
                     f"{self.choice.name}{self._log_tail()}"
                 )
-            if _http_ok(f"{base}/v2/health/ready") and _http_ok(
+            if http_ok(f"{base}/v2/health/ready") and http_ok(
                 f"{base}/v2/models/{self.choice.name}/ready"
             ):
                 self._record_stubs()
@@ -332,7 +305,7 @@ class TritonServerProcess:
         while time.monotonic() < deadline:
             if self.proxy.poll() is not None:
                 raise RuntimeError(f"the OpenAI proxy exited with {self.proxy.returncode}")
-            if _http_ok(f"http://127.0.0.1:{self.ports.proxy}/health") or _http_ok(
+            if http_ok(f"http://127.0.0.1:{self.ports.proxy}/health") or http_ok(
                 f"http://127.0.0.1:{self.ports.proxy}/v1/models"
             ):
                 return
@@ -349,15 +322,15 @@ class TritonServerProcess:
         """Remember the stubs this server started (they outlive it if it is SIGKILLed)."""
         if self.server is None:
             return
-        for child in _proc_children(self.server.pid):
-            cmd = _cmdline(child)
+        for child in proc_children(self.server.pid):
+            cmd = cmdline(child)
             if cmd and cmd[0].endswith(STUB_NAME):
                 self._stubs[child] = cmd
 
     def stub_pids(self) -> list[int]:
         """Stubs of this server still alive."""
         self._record_stubs()
-        return [pid for pid, cmd in self._stubs.items() if _alive(pid) and _cmdline(pid) == cmd]
+        return [pid for pid, cmd in self._stubs.items() if alive(pid) and cmdline(pid) == cmd]
 
     def shm_files(self) -> list[Path]:
         """``/dev/shm`` regions named on this server's stub command lines that still exist."""
@@ -373,22 +346,22 @@ class TritonServerProcess:
         """Proxy first (drain), then the server (bounded wait, SIGKILL), stubs, shm files."""
         with self._lock:
             if self.proxy is not None:
-                _terminate(self.proxy, timeout=PROXY_DRAIN_S)
+                terminate(self.proxy, timeout=PROXY_DRAIN_S)
                 self.proxy = None
             if self.server is not None:
                 self._record_stubs()
                 t0 = time.monotonic()
                 drained = self._drain()
-                killed = _terminate(self.server, timeout=self.stop_timeout_s)
+                killed = terminate(self.server, timeout=self.stop_timeout_s)
                 report = {"drained": drained, "server_exit": self.server.returncode}
                 report["server_killed"] = killed
                 report["stop_s"] = round(time.monotonic() - t0, 2)
-                with _suppress():  # anything else left in the server's own session
+                with suppress():  # anything else left in the server's own session
                     os.killpg(self.server.pid, signal.SIGKILL)
                 leftover = self.stub_pids()
                 report["stubs_killed"] = len(leftover)
                 for pid in leftover:
-                    with _suppress():
+                    with suppress():
                         os.kill(pid, signal.SIGKILL)
                 deadline = time.monotonic() + 5
                 while self.stub_pids() and time.monotonic() < deadline:
@@ -396,7 +369,7 @@ class TritonServerProcess:
                 shm = self.shm_files()
                 report["shm_removed"] = len(shm)
                 for path in shm:
-                    with _suppress():
+                    with suppress():
                         path.unlink()
                 self.last_stop = report
                 self.server = None
@@ -462,34 +435,3 @@ class TritonServerProcess:
 
     def describe(self) -> str:
         return json.dumps({"model": self.model_name, "device": self.device, **self.urls}, indent=2)
-
-
-def _suppress() -> contextlib.suppress:
-    """Ignore a process or file that vanished in between."""
-    return contextlib.suppress(ProcessLookupError, FileNotFoundError, PermissionError)
-
-
-def _term_with_parent() -> None:
-    """In the child: SIGTERM when the launcher dies (even by SIGKILL), so tritonserver is not
-    orphaned. Linux ties this to the *thread* that started it: only for launchers that start
-    the server from their main thread (``dlm-triton serve``)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def _terminate(proc: subprocess.Popen, timeout: float) -> bool:
-    """SIGTERM, bounded wait, SIGKILL; True if it had to be killed."""
-    if proc.poll() is not None:
-        return False
-    with _suppress():
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout)
-        return False
-    except subprocess.TimeoutExpired:
-        with _suppress():
-            proc.kill()
-        proc.wait(timeout=10)
-        return True
