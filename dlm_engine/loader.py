@@ -97,13 +97,58 @@ def _special_ids(
     return int(mask_id), int(eos[0]), frozenset(int(i) for i in stops)
 
 
+def random_checkpoint(name: str, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+    """A published architecture (see `presets.py`) with random weights, for benchmarks.
+
+    Built directly on the device; the tokenizer is a small character-level one (token ids
+    beyond it decode to nothing) and the stop set is empty: fixed decoding schedules.
+    """
+    import tempfile
+
+    from .presets import PRESETS
+    from .tokenizer_build import build_char_tokenizer
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown random preset {name!r}; choose one of {sorted(PRESETS)}")
+    config = dict(PRESETS[name])
+    family = detect_family(config)
+    torch_dtype = resolve_dtype(dtype, config)
+    dev = torch.device(device)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)  # materialise straight in the target dtype
+    try:
+        with torch.device("meta"):
+            model = build_model(family, config)
+        model = model.to_empty(device=dev)
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight") or pname.endswith("ln_f.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    model.eval().requires_grad_(False)
+    tok_dir = Path(tempfile.mkdtemp(prefix="dlm-random-tok-"))
+    build_char_tokenizer(tok_dir, family.name)
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    mask_id, eos_id = int(config["mask_token_id"]), int(config["eos_token_id"])
+    return LoadedModel(
+        model, family, config, tok, mask_id, eos_id, frozenset(), torch_dtype, dev, tok_dir
+    )
+
+
 def load_checkpoint(
     path: str | Path,
     dtype: str = "auto",
     device: str = "cpu",
     quantization: str | None = None,
 ) -> LoadedModel:
-    """Build the family's model from `path`, load its weights, tokenizer and special ids."""
+    """Build the family's model from `path`, load its weights, tokenizer and special ids.
+
+    `random:<preset>` builds a published architecture with random weights (benchmarks)."""
+    if str(path).startswith("random:"):
+        return random_checkpoint(str(path).removeprefix("random:"), dtype, device)
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     gen_file = path / "generation_config.json"

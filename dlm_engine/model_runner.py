@@ -54,6 +54,9 @@ class ModelRunner:
         self.slots: dict[str, int] = {}
         self.refreshes = 0
         self.span_steps = 0
+        # work done, for benchmarks: tokens through the layers, (query, key) pairs in
+        # attention, and positions sent through the output head
+        self.work = {"tokens": 0, "attn_pairs": 0, "logit_positions": 0}
 
     # ---- forwards ---------------------------------------------------------------------------
     def _run(self, key: tuple, fn, inputs: dict[str, torch.Tensor], row_pad: dict) -> torch.Tensor:
@@ -84,6 +87,7 @@ class ModelRunner:
         win = self._windows(seqs + [seqs[i] for i in cfg], width)
         index = (win - self.shift).clamp(0, t - 1)
         inputs = {"ids": ids, "key_mask": key_mask, "index": index}
+        self._count(len(rows), t, t, width)
         row_pad = {"ids": self.pad_id, "key_mask": True, "index": 0, "slots": self._trash_row()}
         if refresh:
             inputs["slots"] = torch.tensor(
@@ -154,6 +158,7 @@ class ModelRunner:
             "slots": pool.trash_row,
         }
         model = self.model
+        self._count(len(seqs), s_len, pool.length + 1, width)
 
         def fn(x: dict[str, torch.Tensor]) -> torch.Tensor:
             kv = SpanKV(pool, x["slots"], x["write_pos"], x["cache_mask"])
@@ -172,6 +177,11 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             cur[i, : s.window_width] = s.tokens[s.window_start : s.window_start + s.window_width]
         return cur
+
+    def _count(self, rows: int, queries: int, keys: int, width: int) -> None:
+        self.work["tokens"] += rows * queries
+        self.work["attn_pairs"] += rows * queries * keys
+        self.work["logit_positions"] += rows * width
 
     # ---- KV pool ----------------------------------------------------------------------------
     def _pool_id(self) -> int:
