@@ -188,13 +188,15 @@ def plot_summary(rows: list[Row], path: Path, title: str) -> None:
     ax_tp.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="upper left")
 
     styles = {"p50_ms": "-", "p90_ms": "--", "p99_ms": ":"}
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    every_name = sorted({r.name for r in rows if r.name != "all"})
+    color = {name: palette[i % len(palette)] for i, name in enumerate(every_name)}
     for ax, kind, label in (
         (ax_e2e, "E2E", "End-to-end latency"),
         (ax_ttft, "TTFT", "Time to first token (streaming)"),
     ):
         names = sorted({r.name for r in rows if r.kind == kind and r.name != "all"})
-        for i, name in enumerate(names):
+        for name in names:
             series = sorted(
                 (r for r in rows if r.kind == kind and r.name == name), key=lambda r: r.users
             )
@@ -204,7 +206,7 @@ def plot_summary(rows: list[Row], path: Path, title: str) -> None:
                     [getattr(r, attr) / 1000.0 for r in series],
                     style,
                     marker="o",
-                    color=colors[i % len(colors)],
+                    color=color[name],
                     label=f"{name} {attr[:-3]}",
                 )
         ax.set_title(label)
