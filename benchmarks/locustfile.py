@@ -285,6 +285,7 @@ class ProxyChatUser(User):
         first = True
         deadline = started + SETTINGS.timeout_s
         with self._post(self._body(stream=True), stream=True) as resp:
+            resp.encoding = resp.encoding or "utf-8"  # SSE is UTF-8; else lines come as bytes
             for raw in resp.iter_lines(decode_unicode=True):
                 if time.perf_counter() > deadline:
                     raise LoadError(f"stream longer than {SETTINGS.timeout_s}s")
