@@ -110,3 +110,13 @@ def test_env_overrides_config_parameters() -> None:
         environ={"DLM_DTYPE": "bfloat16", "DLM_MAX_ROWS": "8"},
     )
     assert (s.dtype, s.max_rows, s.device, s.checkpoint) == ("bfloat16", 8, "cuda:1", "x")
+
+
+def test_checkpoint_names_resolve_to_embedded_assets(tmp_path) -> None:
+    from dlm_triton.settings import ASSETS_DIR, resolve_checkpoint
+
+    if (ASSETS_DIR / "tiny-dlm").is_dir():
+        assert resolve_checkpoint("tiny-dlm") == str((ASSETS_DIR / "tiny-dlm").resolve())
+    (tmp_path / "ckpt").mkdir()
+    assert resolve_checkpoint("ckpt", model_dir=tmp_path) == str(tmp_path / "ckpt")
+    assert resolve_checkpoint("GSAI-ML/LLaDA-8B-Instruct") == "GSAI-ML/LLaDA-8B-Instruct"
