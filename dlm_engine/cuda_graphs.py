@@ -45,7 +45,6 @@ class GraphCache:
         self.device = device
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
-        self.pool = torch.cuda.graph_pool_handle()
         self.captures = 0
 
     def clear(self) -> None:
@@ -91,7 +90,7 @@ class GraphCache:
                 fn(static)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
+        with torch.inference_mode(), torch.cuda.graph(graph):
             out = fn(static)
         entry = _Captured(graph, static, out)
         self.graphs[key] = entry

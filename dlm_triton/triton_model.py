@@ -97,7 +97,6 @@ class TritonPythonModel:
         self.engine = Engine(EngineConfig(**{k: v for k, v in wanted.items() if k in accepted}))
         self.instance_name = args.get("model_instance_name", "0")
         self.metrics = Metrics(pb_utils, self.model_name, self.instance_name)
-        self._instrument_step()
 
         self._live: dict[str, _Live] = {}
         self._live_lock = threading.Lock()
@@ -117,24 +116,10 @@ class TritonPythonModel:
             f"dtype={s.dtype} max_rows={s.max_rows} torch_threads={torch.get_num_threads()}"
         )
 
-    def _instrument_step(self) -> None:
-        """Step wall time: wrap this engine instance's ``step`` (EngineLoop's ``on_step`` hook
-        reports rows only)."""
-        original = self.engine.step
-        observe = self.metrics.step_seconds.observe
-
-        def step() -> list:
-            t = time.perf_counter()
-            outputs = original()
-            if self.engine.last_step_rows:
-                observe(time.perf_counter() - t)
-            return outputs
-
-        self.engine.step = step
-
     def _on_step(self, rows: int) -> None:
         """EngineLoop hook, on the engine thread after every step that ran rows."""
         self.metrics.rows_per_step.observe(rows)
+        self.metrics.step_seconds.observe(self.engine.last_step_seconds)
         self.metrics.queue_depth.set(self.loop.queue_depth)
 
     def finalize(self) -> None:

@@ -33,6 +33,10 @@ PROMPTS = ["Hello there", "What is 2+2?", "abc", "Tell me a story", "x", "zz top
 def test_grpc_streams_eight_concurrent_requests_in_shared_steps(client: DLMClient, metric) -> None:
     count0 = metric("dlm_rows_per_step_count")
     single0 = metric("dlm_rows_per_step_bucket", le="1")
+    names = ("dlm_request_latency_seconds_count", "dlm_steps_per_request_count",
+             "dlm_step_duration_seconds_count", "dlm_generated_tokens_total")  # fmt: skip
+    before = {n: metric(n) for n in names}
+    finished0 = sum(metric("dlm_requests_total", outcome=o) for o in ("stop", "length"))
 
     def run(i: int):
         chunks = list(client.stream(PROMPTS[i], **SETTINGS[i]))
@@ -53,6 +57,20 @@ def test_grpc_streams_eight_concurrent_requests_in_shared_steps(client: DLMClien
     steps = metric("dlm_rows_per_step_count") - count0
     multi_row_steps = steps - (metric("dlm_rows_per_step_bucket", le="1") - single0)
     assert steps > 0 and multi_row_steps > 0, "no engine step held more than one row"
+    after = {n: metric(n) for n in names}
+    assert (
+        after["dlm_request_latency_seconds_count"] - before["dlm_request_latency_seconds_count"]
+        == 16
+    )
+    assert after["dlm_steps_per_request_count"] - before["dlm_steps_per_request_count"] == 16
+    assert (
+        after["dlm_step_duration_seconds_count"] - before["dlm_step_duration_seconds_count"]
+        == steps
+    )
+    tokens = sum(2 * chunks[-1].completion_tokens for chunks, _ in results)
+    assert after["dlm_generated_tokens_total"] - before["dlm_generated_tokens_total"] == tokens
+    finished = sum(metric("dlm_requests_total", outcome=o) for o in ("stop", "length"))
+    assert finished - finished0 == 16
 
 
 def test_http_generate_stream_with_plain_http(client: DLMClient, triton_server) -> None:
