@@ -197,12 +197,12 @@ class TritonPythonModel:
         return present
 
     def _reject(self, sender: Any, message: str, outcome: str) -> None:
+        self.metrics.outcome(outcome)
         error = pb_utils.TritonError(message)
         sender.send(
             pb_utils.InferenceResponse(output_tensors=[], error=error),
             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
         )
-        self.metrics.outcome(outcome)
 
     # ------------------------------------------------------------------ sender thread
     def _send_loop(self) -> None:
@@ -235,10 +235,7 @@ class TritonPythonModel:
             return
         text = out.delta_text if live.stream else out.text
         reason = out.finish_reason or "stop"
-        if live.cancel_requested:  # the client is gone: end the request without a payload
-            self._send(live, None, final=True)
-        else:
-            self._send(live, self._response(text or "", reason, out), final=True)
+        # Metrics first: a client that has its final response may read them at once.
         m = self.metrics
         m.outcome(reason)
         m.e2e.observe(time.monotonic() - live.t0)
@@ -246,6 +243,10 @@ class TritonPythonModel:
         if out.steps:
             m.steps_per_request.observe(out.steps)
             m.tokens_per_forward.observe((out.completion_tokens or 0) / out.steps)
+        if live.cancel_requested:  # the client is gone: end the request without a payload
+            self._send(live, None, final=True)
+        else:
+            self._send(live, self._response(text or "", reason, out), final=True)
 
     def _response(self, text: str, finish_reason: str, out: Any) -> Any:
         canvas = json.dumps(out.canvas) if getattr(out, "canvas", None) is not None else ""
@@ -265,6 +266,8 @@ class TritonPythonModel:
             if live.closed:
                 return
             flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+            if final:
+                self._close(live)  # under the lock: nothing polls it once the final is out
             try:
                 if response is None:
                     live.sender.send(flags=flags)
@@ -275,14 +278,17 @@ class TritonPythonModel:
                     return
                 with contextlib.suppress(Exception):  # nothing left to tell the client
                     live.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            if final:
-                self._close(live)
 
     def _fail(self, live: _Live, message: str) -> None:
         """Final error response (once), counted by outcome."""
         with live.lock:
             if live.closed:
                 return
+            self._close(live)
+            prefix = message.split(":", 1)[0]
+            self.metrics.outcome(
+                {"invalid request": "invalid", "overloaded": "overloaded"}.get(prefix, "error")
+            )
             try:
                 live.sender.send(
                     pb_utils.InferenceResponse(
@@ -293,11 +299,6 @@ class TritonPythonModel:
             except Exception:  # cancelled or closed sender
                 with contextlib.suppress(Exception):
                     live.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            self._close(live)
-        prefix = message.split(":", 1)[0]
-        self.metrics.outcome(
-            {"invalid request": "invalid", "overloaded": "overloaded"}.get(prefix, "error")
-        )
 
     def _close(self, live: _Live) -> None:
         live.closed = True
