@@ -302,7 +302,7 @@ def test_committed_repository_model_serves_with_env_overrides(
     server = TritonServerProcess(
         "tiny-dlm",
         device="cpu",
-        engine_params={"checkpoint": str(tiny_checkpoint), "max_rows": "4"},
+        engine_params={"checkpoint": str(tiny_checkpoint), "max_rows": "4", "max_queue": "2"},
         ports=Ports.free(),
         log_path=tmp_path / "triton.log",
         exit_timeout_s=5,
@@ -312,4 +312,13 @@ def test_committed_repository_model_serves_with_env_overrides(
         assert server.choice.env["DLM_CHECKPOINT"] == str(tiny_checkpoint)
         client = DLMClient(server.urls["grpc"], "tiny-dlm")
         assert client.generate("hi", max_tokens=8, steps=4).finish_reason in ("stop", "length")
+        # max_queue=2: a third request while two are generating is refused, not queued.
+        long = {"max_tokens": 512, "steps": 512, "stream_mode": "denoise"}
+        running = [client.stream(f"long {i}", **long) for i in range(2)]
+        for stream in running:
+            next(stream)  # started (denoise answers every step)
+        with pytest.raises(DLMError, match="^overloaded: "):
+            client.generate("one too many", max_tokens=8)
+        for stream in running:
+            stream.close()  # cancels on the server
     assert "max_rows=4" in (tmp_path / "triton.log").read_text()
