@@ -126,6 +126,25 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: dict) -> dict:
     return {"seconds": total, "steps": steps, "flops": work_flops(engine, work), "median_ms": med}
 
 
+def profile_steps(engine: Engine, prompts: list[list[int]], path: Path) -> None:
+    """Kernel table of a batch-1 dual-cache block (1 refresh + 7 in-block steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = dict(max_tokens=CANVAS, steps=64, block_length=BLOCK, cache="dual")
+    engine.generate(prompts, dict(params, steps=16))
+    engine.add_request("profiled", prompts[0], params)
+    for _ in range(8):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(8):
+            engine.step()
+    engine.abort("profiled")
+    engine.step()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    path.write_text(table)
+    print(table[:6000], flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -138,6 +157,9 @@ def main() -> None:
     ap.add_argument("--modes", default="reference,exact,prefix,dual")
     ap.add_argument("--ref-max-batch", type=int, default=32)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument(
+        "--profile", action="store_true", help="profile dual-cache steps at batch 1 first"
+    )
     ap.add_argument(
         "--tiny", action="store_true", help="shrunken presets: a CPU smoke run of this script"
     )
@@ -194,6 +216,8 @@ def main() -> None:
             f"{'mode':<10}{'batch':>6}{'steps':>6}{'tok/s':>9}{'ms/step':>9}{'TFLOP/s':>9}{'%peak':>7}{'x ref':>7}  step medians (ms)"
         )
         all_prompts = torch.randint(0, 100000, (max(batches), PROMPT), generator=gen)
+        if args.profile:
+            profile_steps(engine, all_prompts[:1].tolist(), out / f"profile_{model_name}.txt")
         for steps in steps_list:
             for batch in batches:
                 if steps == max(steps_list) and len(steps_list) > 1 and batch not in long_batches:

@@ -129,6 +129,7 @@ def random_checkpoint(name: str, dtype: str = "auto", device: str = "cpu") -> Lo
             else:
                 p.normal_(0.0, 0.02)
     model.eval().requires_grad_(False)
+    model.fuse_projections()
     tok_dir = Path(tempfile.mkdtemp(prefix="dlm-random-tok-"))
     build_char_tokenizer(tok_dir, family.name)
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
@@ -170,6 +171,8 @@ def load_checkpoint(
     model.eval().requires_grad_(False)
     if quantization:
         quantize_linears(model, quantization, dev)
+    else:
+        model.fuse_projections()
     tok = AutoTokenizer.from_pretrained(str(path))
     mask_id, eos_id, stop_ids = _special_ids(family, config, gen, tok)
     if family is LLADA and "mask_token_id" not in config and mask_id != 126336:

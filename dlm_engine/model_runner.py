@@ -79,7 +79,8 @@ class ModelRunner:
             un = seqs[i].tokens.clone()
             un[: seqs[i].prompt_len] = self.mask_id
             rows.append(un)
-        lengths = torch.tensor([r.numel() for r in rows], device=self.device)
+        lens = [r.numel() for r in rows]
+        lengths = torch.tensor(lens, device=self.device)
         ids = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=self.pad_id)
         t = round_up(ids.shape[1], self.length_multiple)
         ids = F.pad(ids, (0, t - ids.shape[1]), value=self.pad_id)
@@ -87,6 +88,8 @@ class ModelRunner:
         win = self._windows(seqs + [seqs[i] for i in cfg], width)
         index = (win - self.shift).clamp(0, t - 1)
         inputs = {"ids": ids, "key_mask": key_mask, "index": index}
+        if self.graphs is not None and all(n == t for n in lens):
+            del inputs["key_mask"]  # no padding: the unmasked (flash) attention kernel applies
         self._count(len(rows), t, t, width)
         row_pad = {"ids": self.pad_id, "key_mask": True, "index": 0, "slots": self._trash_row()}
         if refresh:
@@ -115,7 +118,7 @@ class ModelRunner:
             ids = x["ids"]
             pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
             kv = RefreshKV(pool, x["slots"]) if refresh else None
-            return model(ForwardBatch(ids, pos, x["key_mask"], x["index"], kv))
+            return model(ForwardBatch(ids, pos, x.get("key_mask"), x["index"], kv))
 
         return fn
 
@@ -259,6 +262,7 @@ class ModelRunner:
             self.refreshes += 1
         return self._full_forward(seqs, width, refresh=kind == "refresh")
 
+    @torch.inference_mode()
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
         """Run one step for all rows; returns each row's window after this step's commits."""
         logits, current = self._window_logits(seqs)
@@ -278,7 +282,7 @@ class ModelRunner:
             )
             for s in seqs
         ]
-        x0, conf = propose(self.family, logits, rows, self.eos_id)
+        x0, conf = propose(self.family, logits, rows, self.eos_id, self.mask_id)
         k = torch.tensor([0 if s.uses_threshold else s.transfer_count() for s in seqs], device=dev)
         thr = torch.tensor(
             [s.params.threshold if s.uses_threshold else float("nan") for s in seqs],

@@ -78,6 +78,8 @@ class Sequence:
 
     def transfer_count(self) -> int:
         """Tokens the family's schedule commits at this step (unused in threshold mode)."""
+        if self.step_in_block >= self.params.steps_per_block:
+            return self.masks_in_block  # budget spent: commit what is left
         if self.family == "llada":
             return self._llada_schedule[self.step_in_block]
         return self._dream_schedule.count(self.step_in_block, self.masks_in_block)

@@ -50,28 +50,32 @@ def _alt_confidence(conf: torch.Tensor, probs: torch.Tensor, rows: list[RowDecod
 
 
 def propose(
-    family: str, logits: torch.Tensor, rows: list[RowDecode], eos_id: int
+    family: str, logits: torch.Tensor, rows: list[RowDecode], eos_id: int, mask_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens [B, K] and confidences [B, K] for every window position of every row."""
+    """Tokens [B, K] and confidences [B, K] for every window position of every row.
+
+    The mask token is never proposed (committing it would leave the position masked);
+    confidences still come from the unmodified distribution, as published. `logits` may be
+    modified in place."""
     suppress = [i for i, r in enumerate(rows) if r.suppress_eos]
     if suppress:
-        logits = logits.clone()
         logits[torch.tensor(suppress, device=logits.device), :, eos_id] = -torch.inf
     if family == "llada":
-        return _propose_llada(logits, rows)
-    return _propose_dream(logits, rows)
+        return _propose_llada(logits, rows, mask_id)
+    return _propose_dream(logits, rows, mask_id)
 
 
 def _propose_llada(
-    logits: torch.Tensor, rows: list[RowDecode]
+    logits: torch.Tensor, rows: list[RowDecode], mask_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = F.softmax(logits.to(torch.float64), dim=-1)
+    logits[..., mask_id] = -torch.inf
     x0 = logits.argmax(dim=-1)
     for i, r in enumerate(rows):
         if r.temperature > 0:
             lg = logits[i, : r.width].to(torch.float64)
             u = torch.rand(lg.shape, dtype=torch.float64, device=lg.device, generator=r.generator)
             x0[i, : r.width] = (lg.exp() / (-torch.log(u)) ** r.temperature).argmax(dim=-1)
-    probs = F.softmax(logits.to(torch.float64), dim=-1)
     conf = torch.gather(probs, -1, x0[..., None]).squeeze(-1)
     for i, r in enumerate(rows):
         if r.algorithm == "random":
@@ -82,11 +86,10 @@ def _propose_llada(
 
 
 def _propose_dream(
-    logits: torch.Tensor, rows: list[RowDecode]
+    logits: torch.Tensor, rows: list[RowDecode], mask_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if any(r.temperature > 0 or r.top_p is not None or r.top_k is not None for r in rows):
-        logits = logits.clone()
-        for i, r in enumerate(rows):
+    for i, r in enumerate(rows):
+        if r.temperature > 0 or r.top_p is not None or r.top_k is not None:
             lg = logits[i]
             if r.temperature > 0:
                 lg = lg / r.temperature
@@ -96,12 +99,19 @@ def _propose_dream(
                 lg = top_k_logits(lg, r.top_k)
             logits[i] = lg
     probs = torch.softmax(logits, dim=-1)
-    conf, x0 = probs.max(dim=-1)
+    conf = _alt_confidence(
+        torch.zeros(probs.shape[:-1], dtype=probs.dtype, device=probs.device), probs, rows
+    )
+    probs[..., mask_id] = 0
+    best, x0 = probs.max(dim=-1)
     for i, r in enumerate(rows):
         if r.temperature > 0:
             p = probs[i, : r.width].float()
             x0[i, : r.width] = torch.multinomial(p, 1, generator=r.generator).squeeze(-1)
-            conf[i, : r.width] = torch.gather(
+            best[i, : r.width] = torch.gather(
                 probs[i, : r.width], -1, x0[i, : r.width, None]
             ).squeeze(-1)
-    return x0, _alt_confidence(conf, probs, rows)
+    keep = torch.tensor(
+        [r.algorithm not in ("topk_margin", "entropy") for r in rows], device=conf.device
+    )
+    return x0, torch.where(keep[:, None], best, conf)

@@ -106,3 +106,22 @@ def gather_positions(hidden: torch.Tensor, index: torch.Tensor | None) -> torch.
     if index is None:
         return hidden
     return torch.gather(hidden, 1, index[..., None].expand(-1, -1, hidden.shape[-1]))
+
+
+def fuse_linears(layers: list[nn.Linear]) -> nn.Linear:
+    """One linear layer computing several that share an input (q/k/v, gate/up).
+
+    Fewer, wider matrix products keep the GPU busier at small token counts; the outputs are
+    the same numbers, split apart by the caller."""
+    first = layers[0]
+    out = sum(layer.out_features for layer in layers)
+    bias = first.bias is not None
+    fused = nn.Linear(
+        first.in_features, out, bias=bias, device=first.weight.device, dtype=first.weight.dtype
+    )
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([layer.weight for layer in layers]))
+        if bias:
+            fused.bias.copy_(torch.cat([layer.bias for layer in layers]))
+    fused.requires_grad_(False)
+    return fused

@@ -14,7 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import ForwardBatch, RMSNorm, apply_rope, gather_positions, rope_tables
+from .common import (
+    ForwardBatch,
+    RMSNorm,
+    apply_rope,
+    fuse_linears,
+    gather_positions,
+    rope_tables,
+)
 
 
 @dataclass(frozen=True)
@@ -57,12 +64,18 @@ class DreamAttention(nn.Module):
         self.k_proj = nn.Linear(a.hidden_size, kv_dim, bias=True)
         self.v_proj = nn.Linear(a.hidden_size, kv_dim, bias=True)
         self.o_proj = nn.Linear(a.hidden_size, a.hidden_size, bias=False)
+        self.qkv: nn.Linear | None = None  # set by fuse_projections()
 
     def forward(self, h: torch.Tensor, rope, batch: ForwardBatch, layer: int) -> torch.Tensor:
         b, t, _ = h.shape
-        q = self.q_proj(h).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.qkv is not None:
+            kv_dim = self.n_kv * self.head_dim
+            q, k, v = self.qkv(h).split([self.n_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin, in_fp32=False), apply_rope(k, cos, sin, in_fp32=False)
         return self.o_proj(batch.attend(layer, q, k, v).transpose(1, 2).reshape(b, t, -1))
@@ -75,8 +88,14 @@ class DreamMLP(nn.Module):
         self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
+        self.gate_up: nn.Linear | None = None  # set by fuse_projections()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DreamLayer(nn.Module):
@@ -115,6 +134,14 @@ class DreamModel(nn.Module):
     @property
     def vocab_size(self) -> int:
         return self.arch.vocab_size
+
+    def fuse_projections(self) -> None:
+        """Fused q/k/v and gate/up layers (after loading weights)."""
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            a.qkv = fuse_linears([a.q_proj, a.k_proj, a.v_proj])
+            m.gate_up = fuse_linears([m.gate_proj, m.up_proj])
+            del a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj
 
     def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)

@@ -14,7 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import ForwardBatch, RMSNorm, apply_rope, gather_positions, rope_tables
+from .common import (
+    ForwardBatch,
+    RMSNorm,
+    apply_rope,
+    fuse_linears,
+    gather_positions,
+    rope_tables,
+)
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,8 @@ class LLaDABlock(nn.Module):
         self.ff_proj = nn.Linear(a.d_model, a.mlp_hidden_size, bias=a.include_bias)
         self.up_proj = nn.Linear(a.d_model, a.mlp_hidden_size, bias=a.include_bias)
         self.ff_out = nn.Linear(a.mlp_hidden_size, a.d_model, bias=a.include_bias)
+        self.qkv: nn.Linear | None = None  # set by fuse_projections()
+        self.gate_up: nn.Linear | None = None
 
     def forward(
         self,
@@ -83,15 +92,30 @@ class LLaDABlock(nn.Module):
     ) -> torch.Tensor:
         b, t, _ = x.shape
         h = self.attn_norm(x)
-        q = self.q_proj(h).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(h).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(h).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qkv is not None:
+            kv_dim = self.n_kv_heads * self.head_dim
+            q, k, v = self.qkv(h).split([self.n_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin, in_fp32=True), apply_rope(k, cos, sin, in_fp32=True)
         att = batch.attend(layer, q, k, v).transpose(1, 2).reshape(b, t, -1)
         x = x + self.attn_out(att)
         h = self.ff_norm(x)
-        return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(h).chunk(2, dim=-1)
+        else:
+            gate, up = self.ff_proj(h), self.up_proj(h)
+        return x + self.ff_out(F.silu(gate) * up)
+
+    def fuse_projections(self) -> None:
+        """Replace q/k/v and ff/up projections by fused layers (after loading weights)."""
+        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.gate_up = fuse_linears([self.ff_proj, self.up_proj])
+        del self.q_proj, self.k_proj, self.v_proj, self.ff_proj, self.up_proj
 
 
 class _Transformer(nn.Module):
@@ -123,6 +147,10 @@ class LLaDAModel(nn.Module):
     @property
     def vocab_size(self) -> int:
         return self.arch.embedding_size
+
+    def fuse_projections(self) -> None:
+        for block in self.model.transformer.blocks:
+            block.fuse_projections()
 
     def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
         tr = self.model.transformer
