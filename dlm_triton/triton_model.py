@@ -183,10 +183,11 @@ class TritonPythonModel:
         live = _Live(rid, request, sender, parsed.stream, t0)
         with self._live_lock:
             self._live[rid] = live
-            self.metrics.queue_depth.set(len(self._live))
+            self.metrics.in_flight.set(len(self._live))
         self.loop.submit(
             rid, prompt_ids, params, lambda out, live=live: self._outbox.put((live, out))
         )
+        self.metrics.queue_depth.set(self.loop.queue_depth)
 
     def _inputs(self, request: Any) -> dict[str, np.ndarray]:
         present = {}
@@ -199,10 +200,11 @@ class TritonPythonModel:
     def _reject(self, sender: Any, message: str, outcome: str) -> None:
         self.metrics.outcome(outcome)
         error = pb_utils.TritonError(message)
-        sender.send(
-            pb_utils.InferenceResponse(output_tensors=[], error=error),
-            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-        )
+        with contextlib.suppress(Exception):  # a client gone already cannot be told
+            sender.send(
+                pb_utils.InferenceResponse(output_tensors=[], error=error),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+            )
 
     # ------------------------------------------------------------------ sender thread
     def _send_loop(self) -> None:

@@ -185,6 +185,7 @@ def test_cancellation_frees_the_row(client: DLMClient, metric, triton_server) ->
     while not got and time.monotonic() < deadline:  # denoise mode answers every step
         time.sleep(0.01)
     assert got, "no streamed response before cancelling"
+    assert metric("dlm_requests_in_flight") == 1
     triton.stop_stream(cancel_requests=True)
     triton.close()
 
@@ -313,7 +314,7 @@ def test_committed_repository_model_serves_with_env_overrides(
         client = DLMClient(server.urls["grpc"], "tiny-dlm")
         assert client.generate("hi", max_tokens=8, steps=4).finish_reason in ("stop", "length")
         # max_queue=2: a third request while two are generating is refused, not queued.
-        long = {"max_tokens": 512, "steps": 512, "stream_mode": "denoise"}
+        long = {"max_tokens": 512, "steps": 512, "stream_mode": "denoise", "suppress_eos": True}
         running = [client.stream(f"long {i}", **long) for i in range(2)]
         for stream in running:
             next(stream)  # started (denoise answers every step)
