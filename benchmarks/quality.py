@@ -118,7 +118,7 @@ def markdown_table(results: list[Result]) -> str:
     for r in results:
         tasks_cells = " | ".join(f"{100 * r.per_task[t]:.1f}" for t in task_names)
         rows.append(
-            f"| {r.name} | **{100 * r.accuracy:.1f}%** | {r.mean_nfe:.1f} | "
+            f"| {r.name} | **{100 * r.accuracy:.1f}%** | {r.mean_nfe:.2f} | "
             f"{r.tokens_per_forward:.2f} | {r.answer_tokens_per_forward:.2f} | {tasks_cells} | "
             f"{r.seconds:.0f} |"
         )
@@ -148,9 +148,17 @@ def plot(results: list[Result], path: Path, n: int) -> None:
             xs = [getattr(r, key) for r in pts]
             ys = [100 * r.accuracy for r in pts]
             ax.plot(xs, ys, marker=marker, label=legend)
-            for j, (r, x, y) in enumerate(zip(pts, xs, ys, strict=True)):
-                dy = 6 if j % 2 == 0 else -12
-                ax.annotate(r.name, (x, y), textcoords="offset points", xytext=(5, dy), fontsize=8)
+            # k points are spread out; threshold points cluster, so stack their labels by y
+            by_y = sorted(range(len(pts)), key=lambda i: -ys[i])
+            for j, i in enumerate(by_y):
+                dy = (6 if i % 2 == 0 else -12) if group == "k=" else 10 - 11 * j
+                ax.annotate(
+                    pts[i].name,
+                    (xs[i], ys[i]),
+                    textcoords="offset points",
+                    xytext=(8, dy),
+                    fontsize=8,
+                )
         ax.set_xscale("log", base=2)
         ax.set_xlabel(label)
         ax.set_ylabel("exact match (%)")
@@ -176,7 +184,14 @@ def main(argv: list[str] | None = None) -> list[Result]:
     p.add_argument("--plot", default=str(ROOT / "docs" / "quality_tradeoff.png"))
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--from-json", default=None, help="re-render table and plot from a --json file")
     args = p.parse_args(argv)
+    if args.from_json:
+        results = [Result(**r) for r in json.loads(Path(args.from_json).read_text())]
+        print(markdown_table(results))
+        if not args.no_plot:
+            plot(results, Path(args.plot), args.n)
+        return results
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -203,7 +218,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
         r = run_setting(engine, examples, prompts, s)
         results.append(r)
         print(
-            f"{r.name:>14}: exact match {100 * r.accuracy:5.1f}%  NFE {r.mean_nfe:5.1f}  "
+            f"{r.name:>14}: exact match {100 * r.accuracy:5.1f}%  NFE {r.mean_nfe:6.2f}  "
             f"tokens/forward {r.tokens_per_forward:4.2f}  ({r.seconds:.0f} s)",
             flush=True,
         )
