@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cuda_graphs import GraphCache, round_up
-from .decoding import RowDecode, propose, select_transfers
+from .decoding import RowDecode, RowIndex, propose, select_transfers
 from .kv_cache import KVPool, RefreshKV, SpanKV
 from .models.common import ForwardBatch
 from .sequence import Sequence
@@ -48,6 +48,7 @@ class ModelRunner:
         self.max_rows = max_rows
         self.shift = int(getattr(model, "logits_shift", 0))
         self.model_vocab = int(model.vocab_size)
+        self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.graphs = GraphCache(device) if cuda_graphs and device.type == "cuda" else None
         self.length_multiple = 32 if self.graphs is not None else 1
         self.pool: KVPool | None = None
@@ -85,6 +86,11 @@ class ModelRunner:
         t = round_up(ids.shape[1], self.length_multiple)
         ids = F.pad(ids, (0, t - ids.shape[1]), value=self.pad_id)
         key_mask = torch.arange(t, device=self.device)[None, :] < lengths[:, None]
+        if cfg:  # made before the forward is queued, so the host never waits on it
+            sel = torch.tensor(cfg, device=self.device)
+            scale = torch.tensor(
+                [seqs[i].params.cfg_scale for i in cfg], device=self.device, dtype=self.dtype
+            )
         win = self._windows(seqs + [seqs[i] for i in cfg], width)
         index = (win - self.shift).clamp(0, t - 1)
         inputs = {"ids": ids, "key_mask": key_mask, "index": index}
@@ -101,10 +107,6 @@ class ModelRunner:
         )
         if cfg:
             b = len(seqs)
-            sel = torch.tensor(cfg, device=self.device)
-            scale = torch.tensor(
-                [seqs[i].params.cfg_scale for i in cfg], device=self.device, dtype=logits.dtype
-            )
             cond, uncond = logits[sel], logits[b:]
             logits = logits[:b].clone()
             logits[sel] = uncond + (scale[:, None, None] + 1) * (cond - uncond)
@@ -241,13 +243,14 @@ class ModelRunner:
         ]
         if len(groups) == 1:
             return self._group(groups[0][1], seqs, width)
+        # index tensors first: made after a forward is queued they would wait for it
+        sels = [torch.tensor(idx, device=self.device) for idx, _ in groups]
         logits = current = None
-        for idx, kind in groups:
+        for (idx, kind), sel in zip(groups, sels, strict=True):
             lg, cur = self._group(kind, [seqs[i] for i in idx], width)
             if logits is None:
                 logits = lg.new_empty((len(seqs), *lg.shape[1:]))
                 current = cur.new_empty((len(seqs), width))
-            sel = torch.tensor(idx, device=self.device)
             logits[sel] = lg
             current[sel] = cur
         return logits, current
@@ -265,11 +268,9 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
         """Run one step for all rows; returns each row's window after this step's commits."""
-        logits, current = self._window_logits(seqs)
         dev = self.device
+        # every small host-to-device tensor before the forward is queued (no waits after)
         widths = torch.tensor([s.window_width for s in seqs], device=dev)
-        valid = torch.arange(logits.shape[1], device=dev)[None, :] < widths[:, None]
-        masked = (current == self.mask_id) & valid
         rows = [
             RowDecode(
                 width=s.window_width,
@@ -282,13 +283,17 @@ class ModelRunner:
             )
             for s in seqs
         ]
-        x0, conf = propose(self.family, logits, rows, self.eos_id, self.mask_id)
+        index = RowIndex.build(rows, dev)
         k = torch.tensor([0 if s.uses_threshold else s.transfer_count() for s in seqs], device=dev)
         thr = torch.tensor(
             [s.params.threshold if s.uses_threshold else float("nan") for s in seqs],
             device=dev,
             dtype=torch.float64,
         )
+        logits, current = self._window_logits(seqs)
+        valid = torch.arange(logits.shape[1], device=dev)[None, :] < widths[:, None]
+        masked = (current == self.mask_id) & valid
+        x0, conf = propose(self.family, logits, rows, index, self.eos_id, self.mask_id)
         chosen = select_transfers(conf, masked, k, thr)
         chosen = self._sampled_positions(seqs, chosen, conf, masked, k)
         new = torch.where(chosen, x0, current)

@@ -39,34 +39,62 @@ def _margin(probs: torch.Tensor) -> torch.Tensor:
     return top2[..., 0] - top2[..., 1]
 
 
-def _alt_confidence(conf: torch.Tensor, probs: torch.Tensor, rows: list[RowDecode]) -> torch.Tensor:
+@dataclass
+class RowIndex:
+    """Device index tensors of the rows that need special handling, built before the forward
+    is launched: creating them afterwards would make the host wait for the GPU."""
+
+    suppress: torch.Tensor | None
+    margin: torch.Tensor | None
+    entropy: torch.Tensor | None
+    keep_best: torch.Tensor  # rows whose confidence is the proposal's probability
+
+    @classmethod
+    def build(cls, rows: list[RowDecode], device: torch.device) -> RowIndex:
+        def idx(pred) -> torch.Tensor | None:
+            sel = [i for i, r in enumerate(rows) if pred(r)]
+            return torch.tensor(sel, device=device) if sel else None
+
+        return cls(
+            suppress=idx(lambda r: r.suppress_eos),
+            margin=idx(lambda r: r.algorithm == "topk_margin"),
+            entropy=idx(lambda r: r.algorithm == "entropy"),
+            keep_best=torch.tensor(
+                [r.algorithm not in ("topk_margin", "entropy") for r in rows], device=device
+            ),
+        )
+
+
+def _alt_confidence(conf: torch.Tensor, probs: torch.Tensor, index: RowIndex) -> torch.Tensor:
     """Swap in margin / negative-entropy confidences for the rows whose algorithm asks."""
-    for alg, fn in (("topk_margin", _margin), ("entropy", _neg_entropy)):
-        idx = [i for i, r in enumerate(rows) if r.algorithm == alg]
-        if idx:
-            sel = torch.tensor(idx, device=conf.device)
+    for sel, fn in ((index.margin, _margin), (index.entropy, _neg_entropy)):
+        if sel is not None:
             conf[sel] = fn(probs[sel]).to(conf.dtype)
     return conf
 
 
 def propose(
-    family: str, logits: torch.Tensor, rows: list[RowDecode], eos_id: int, mask_id: int
+    family: str,
+    logits: torch.Tensor,
+    rows: list[RowDecode],
+    index: RowIndex,
+    eos_id: int,
+    mask_id: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens [B, K] and confidences [B, K] for every window position of every row.
 
     The mask token is never proposed (committing it would leave the position masked);
     confidences still come from the unmodified distribution, as published. `logits` may be
     modified in place."""
-    suppress = [i for i, r in enumerate(rows) if r.suppress_eos]
-    if suppress:
-        logits[torch.tensor(suppress, device=logits.device), :, eos_id] = -torch.inf
+    if index.suppress is not None:
+        logits[index.suppress, :, eos_id] = -torch.inf
     if family == "llada":
-        return _propose_llada(logits, rows, mask_id)
-    return _propose_dream(logits, rows, mask_id)
+        return _propose_llada(logits, rows, index, mask_id)
+    return _propose_dream(logits, rows, index, mask_id)
 
 
 def _propose_llada(
-    logits: torch.Tensor, rows: list[RowDecode], mask_id: int
+    logits: torch.Tensor, rows: list[RowDecode], index: RowIndex, mask_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     probs = F.softmax(logits.to(torch.float64), dim=-1)
     logits[..., mask_id] = -torch.inf
@@ -82,11 +110,11 @@ def _propose_llada(
             conf[i, : r.width] = torch.rand(
                 r.width, dtype=torch.float64, device=conf.device, generator=r.generator
             )
-    return x0, _alt_confidence(conf, probs, rows)
+    return x0, _alt_confidence(conf, probs, index)
 
 
 def _propose_dream(
-    logits: torch.Tensor, rows: list[RowDecode], mask_id: int
+    logits: torch.Tensor, rows: list[RowDecode], index: RowIndex, mask_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     for i, r in enumerate(rows):
         if r.temperature > 0 or r.top_p is not None or r.top_k is not None:
@@ -100,7 +128,7 @@ def _propose_dream(
             logits[i] = lg
     probs = torch.softmax(logits, dim=-1)
     conf = _alt_confidence(
-        torch.zeros(probs.shape[:-1], dtype=probs.dtype, device=probs.device), probs, rows
+        torch.zeros(probs.shape[:-1], dtype=probs.dtype, device=probs.device), probs, index
     )
     probs[..., mask_id] = 0
     best, x0 = probs.max(dim=-1)
@@ -111,7 +139,4 @@ def _propose_dream(
             best[i, : r.width] = torch.gather(
                 probs[i, : r.width], -1, x0[i, : r.width, None]
             ).squeeze(-1)
-    keep = torch.tensor(
-        [r.algorithm not in ("topk_margin", "entropy") for r in rows], device=conf.device
-    )
-    return x0, torch.where(keep[:, None], best, conf)
+    return x0, torch.where(index.keep_best[:, None], best, conf)

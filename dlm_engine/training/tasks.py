@@ -173,6 +173,7 @@ def gen_count(rng: random.Random) -> Example:
             "How many letters does {w} have?",
             "How long is the word {w}?",
             "Count the letters in {w}.",
+            "How many characters are in {w}?",
         )
         q = rng.choice(forms).format(w=_quote(rng, w))
         return Example("count", f"len|{w}", q, str(len(w)))
@@ -183,6 +184,9 @@ def gen_count(rng: random.Random) -> Example:
         "How many {l}'s are in the word {w}?",
         "In the word {w}, how many times does {c} occur?",
         "How many times does {c} occur in {w}?",
+        "How many {l}'s are in {w}?",
+        "How many {l}'s does {w} have?",
+        "How many times is the letter {c} in {w}?",
     )
     q = rng.choice(forms).format(c=_quote(rng, letter), l=letter, w=_quote(rng, w))
     return Example("count", f"count|{letter}|{w}", q, str(w.count(letter)))
@@ -217,14 +221,16 @@ GENERATORS: dict[str, Callable[[random.Random], Example]] = {
     "count": gen_count,
     "copy": gen_copy,
 }
-# Arithmetic and sorting are the hardest for a small model, so they are drawn more often.
+# Arithmetic, counting and sorting are the hardest for a small model, so they are drawn more
+# often (the shipped checkpoint's first run used add .22, sub .22, sort .18, reverse .13,
+# count .15, copy .10; its continuation these weights, see docs/model_card.md).
 TRAIN_WEIGHTS: dict[str, float] = {
-    "add": 0.22,
+    "add": 0.20,
     "sub": 0.22,
-    "sort": 0.18,
-    "reverse": 0.13,
-    "count": 0.15,
-    "copy": 0.10,
+    "sort": 0.17,
+    "reverse": 0.11,
+    "count": 0.22,
+    "copy": 0.08,
 }
 
 

@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from ..loader import load_checkpoint
 from ..models import LLADA, build_model
 from ..models.common import ForwardBatch
 from ..testing import llada_config, write_checkpoint
@@ -295,6 +295,14 @@ def save(
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors as published (unfused, float32), to continue training from."""
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        state.update({k: v.float() for k, v in load_file(str(f)).items()})
+    return state
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", required=True, help="checkpoint directory to write")
@@ -354,9 +362,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = build_model(LLADA, cfg)
     init_weights(model, args.n_layers)
     if args.init:
-        model.load_state_dict(
-            {k: v.float() for k, v in load_checkpoint(args.init).model.state_dict().items()}
-        )
+        model.load_state_dict(read_weights(Path(args.init)), strict=True)
     model.to(dev).train()
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
