@@ -128,6 +128,7 @@ class TritonServerProcess:
         exit_timeout_s: int = 10,
         gpu_metrics: bool | None = None,
         die_with_parent: bool = False,
+        drain_timeout_s: float | None = None,
         dist: ServerDist | None = None,
         verbose: bool = False,
     ) -> None:
@@ -143,6 +144,7 @@ class TritonServerProcess:
         self.ready_timeout_s = ready_timeout_s
         self.exit_timeout_s = exit_timeout_s
         self.die_with_parent = die_with_parent
+        self._drain_setting = drain_timeout_s
         self.stop_timeout_s = exit_timeout_s + 10.0  # Triton's own wait, then SIGKILL
         self.gpu_metrics = self.device.startswith("cuda") if gpu_metrics is None else gpu_metrics
         self.verbose = verbose
@@ -238,9 +240,11 @@ class TritonServerProcess:
         )
         # The model drains running requests in finalize(); it must end within Triton's exit
         # timeout or Triton gives up (exit 1) and the stubs are orphaned.
-        self.drain_timeout_s = float(
-            os.environ.get("DLM_DRAIN_TIMEOUT", max(1.0, self.exit_timeout_s / 2))
-        )
+        if self._drain_setting is not None:
+            self.drain_timeout_s = self._drain_setting
+        else:
+            default = max(1.0, self.exit_timeout_s / 2)  # inside Triton's exit timeout
+            self.drain_timeout_s = float(os.environ.get("DLM_DRAIN_TIMEOUT", default))
         self._run_dir = Path(tempfile.mkdtemp(prefix="dlm-triton-run-"))
         self.drain_file = self._run_dir / "drain"
         env = {

@@ -7,6 +7,7 @@ HTTP stream dropped mid-way.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -23,7 +24,7 @@ from dlm_client import DLMClient, DLMError
 from dlm_triton.launcher import SHM_DIR, SHM_PREFIX, STUB_NAME, free_port
 
 pytestmark = pytest.mark.integration
-LONG = {"max_tokens": 256, "steps": 256, "stream_mode": "denoise"}
+LONG = {"max_tokens": 1024, "steps": 1024, "stream_mode": "denoise", "suppress_eos": True}
 
 
 def _stubs_with(fragment: str) -> dict[int, list[str]]:
@@ -60,7 +61,10 @@ def dream_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_stop_while_generating_leaves_nothing_behind(server_factory, dream_checkpoint) -> None:
-    server = server_factory(dream_checkpoint, name=f"dream-{uuid.uuid4().hex[:8]}")
+    # A short drain: the requests are still running when it ends, so they are aborted.
+    server = server_factory(
+        dream_checkpoint, name=f"dream-{uuid.uuid4().hex[:8]}", drain_timeout_s=0.5
+    )
     stubs = dict(_stubs_with(f"/{server.model_name}/1/model.py"))
     assert stubs, "no stub process found for the model"
     shm = _shm_names(stubs)
@@ -86,7 +90,7 @@ def test_stop_while_generating_leaves_nothing_behind(server_factory, dream_check
     body = {
         "text_input": "bye",
         "stream": True,
-        "sampling_parameters": '{"max_tokens": 256, "steps": 256, "stream_mode": "denoise"}',
+        "sampling_parameters": json.dumps(LONG),
     }
     with httpx.stream("POST", server.urls["generate_stream"], json=body, timeout=60) as r:
         next(r.iter_lines())
