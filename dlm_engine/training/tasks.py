@@ -173,7 +173,6 @@ def gen_count(rng: random.Random) -> Example:
             "How many letters does {w} have?",
             "How long is the word {w}?",
             "Count the letters in {w}.",
-            "How many characters are in {w}?",
         )
         q = rng.choice(forms).format(w=_quote(rng, w))
         return Example("count", f"len|{w}", q, str(len(w)))
@@ -184,9 +183,6 @@ def gen_count(rng: random.Random) -> Example:
         "How many {l}'s are in the word {w}?",
         "In the word {w}, how many times does {c} occur?",
         "How many times does {c} occur in {w}?",
-        "How many {l}'s are in {w}?",
-        "How many {l}'s does {w} have?",
-        "How many times is the letter {c} in {w}?",
     )
     q = rng.choice(forms).format(c=_quote(rng, letter), l=letter, w=_quote(rng, w))
     return Example("count", f"count|{letter}|{w}", q, str(w.count(letter)))
@@ -221,16 +217,14 @@ GENERATORS: dict[str, Callable[[random.Random], Example]] = {
     "count": gen_count,
     "copy": gen_copy,
 }
-# Arithmetic, counting and sorting are the hardest for a small model, so they are drawn more
-# often (the shipped checkpoint's first run used add .22, sub .22, sort .18, reverse .13,
-# count .15, copy .10; its continuation these weights, see docs/model_card.md).
+# Arithmetic and sorting are the hardest for a small model, so they are drawn more often.
 TRAIN_WEIGHTS: dict[str, float] = {
-    "add": 0.20,
+    "add": 0.22,
     "sub": 0.22,
-    "sort": 0.17,
-    "reverse": 0.11,
-    "count": 0.22,
-    "copy": 0.08,
+    "sort": 0.18,
+    "reverse": 0.13,
+    "count": 0.15,
+    "copy": 0.10,
 }
 
 
