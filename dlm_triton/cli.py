@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dlm_triton.launcher import DEFAULT_MODEL, Ports, TritonServerProcess
+from dlm_triton.launcher import DEFAULT_MODEL, Ports, StartAborted, TritonServerProcess
 
 
 def _serve_parser(sub: Any) -> None:
@@ -100,7 +100,12 @@ def serve(args: argparse.Namespace) -> int:
         verbose=args.verbose,
     )
     print(f"starting tritonserver for {args.model or DEFAULT_MODEL} ...", file=sys.stderr)
-    server.start()
+    server.install_signal_handlers()  # before start: a stop during loading cleans up too
+    try:
+        server.start()
+    except StartAborted as exc:
+        print(f"{exc}; stopped", file=sys.stderr)
+        return 0
     print(f"ready: {server.describe()}", flush=True)
     print(
         f"try: dlm-triton generate 'Hello' --model {server.model_name} "

@@ -104,6 +104,10 @@ def proxy_command(ports: Ports, model_name: str, address: str) -> list[str] | No
     ]
 
 
+class StartAborted(RuntimeError):
+    """A signal asked to stop before the server was ready (everything started is stopped)."""
+
+
 class TritonServerProcess:
     """tritonserver (+ optional proxy) for one model; a context manager.
 
@@ -156,6 +160,7 @@ class TritonServerProcess:
         self._log_file = None
         self._lock = threading.Lock()
         self.last_stop: dict[str, object] = {}  # what stop() had to do, for tests and logs
+        self.stop_requested = threading.Event()  # set by signal handlers; aborts start()
         self._run_dir: Path | None = None
         self.drain_file: Path | None = None
         self.drain_timeout_s = 0.0
@@ -278,6 +283,8 @@ class TritonServerProcess:
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             self._record_stubs()
+            if self.stop_requested.is_set():
+                raise StartAborted("stop requested while the model was loading")
             if self.server.poll() is not None:
                 raise RuntimeError(
                     f"tritonserver exited with {self.server.returncode} while loading "
@@ -307,6 +314,8 @@ class TritonServerProcess:
             out.close()  # the child holds its own descriptor
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
+            if self.stop_requested.is_set():
+                raise StartAborted("stop requested while the proxy was starting")
             if self.proxy.poll() is not None:
                 raise RuntimeError(f"the OpenAI proxy exited with {self.proxy.returncode}")
             if http_ok(f"http://127.0.0.1:{self.ports.proxy}/health") or http_ok(
@@ -414,14 +423,17 @@ class TritonServerProcess:
         self.stop()
 
     # ----------------------------------------------------------------- foreground
+    def install_signal_handlers(self) -> None:
+        """SIGINT/SIGTERM request a stop, also while :meth:`start` still waits for the model
+        (``docker stop`` during a long load must not kill the launcher and orphan the server)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self.stop_requested.set())
+
     def serve_forever(self) -> int:
         """Block until Ctrl-C / SIGTERM or the server dies; then stop everything."""
-        stop = threading.Event()
-        previous = {
-            s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)
-        }
+        self.install_signal_handlers()
         try:
-            while not stop.wait(1.0):
+            while not self.stop_requested.wait(1.0):
                 if not self.running():
                     print("tritonserver exited unexpectedly", file=sys.stderr)
                     return 1
@@ -434,8 +446,6 @@ class TritonServerProcess:
             print("stopping ...", file=sys.stderr)
             self.stop()
             print(f"stopped: {json.dumps(self.last_stop)}", file=sys.stderr)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
     def describe(self) -> str:
         return json.dumps({"model": self.model_name, "device": self.device, **self.urls}, indent=2)

@@ -167,3 +167,32 @@ def test_launcher_starts_the_openai_proxy_in_front(server_factory, tiny_checkpoi
     proxy_pid = server.proxy.pid
     server.stop()
     assert _gone(proxy_pid) and server.last_stop["stubs_killed"] == 0
+
+
+def test_cli_serve_sigterm_while_loading_cleans_up(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """``docker stop`` during a (long) model load: the launcher must not die by the signal and
+    orphan tritonserver; it aborts the start and stops what it began."""
+    name = f"load-{uuid.uuid4().hex[:8]}"
+    cmd = [
+        sys.executable, "-m", "dlm_triton.cli", "serve", "--model", str(tiny_checkpoint),
+        "--model-name", name, "--device", "cpu", "--no-proxy", "--exit-timeout", "5",
+        "--http-port", str(free_port()), "--grpc-port", str(free_port()),
+        "--metrics-port", str(free_port()), "--log-file", str(tmp_path / "triton.log"),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (stubs := _stubs_with(f"/{name}/1/model.py")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no stub started"
+            time.sleep(0.05)
+        shm = _shm_names(stubs)
+        proc.send_signal(signal.SIGTERM)  # the model is loading (or just ready)
+        assert proc.wait(timeout=90) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 10
+    while not all(_gone(p) for p in stubs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(p) for p in stubs)
+    assert not [n for n in shm if (SHM_DIR / n).exists()]
