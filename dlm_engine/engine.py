@@ -46,6 +46,7 @@ class Engine:
             lm.device,
             max_rows=config.max_rows,
             cuda_graphs=config.cuda_graphs,
+            fused_kernels=config.fused_kernels,
         )
         self.scheduler = Scheduler(config.max_rows, config.max_queue, config.max_step_tokens)
         self._texts: dict[str, StableText] = {}

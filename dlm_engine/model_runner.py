@@ -20,7 +20,7 @@ from torch import nn
 from .cuda_graphs import GraphCache, round_up
 from .decoding import RowDecode, RowIndex, propose, select_transfers
 from .kv_cache import KVPool, RefreshKV, SpanKV
-from .models.common import ForwardBatch
+from .models.common import ForwardBatch, FusedKernels
 from .sequence import Sequence
 
 
@@ -38,6 +38,7 @@ class ModelRunner:
         *,
         max_rows: int = 16,
         cuda_graphs: bool = True,
+        fused_kernels: bool = True,
     ) -> None:
         self.model = model
         self.family = family
@@ -50,6 +51,8 @@ class ModelRunner:
         self.model_vocab = int(model.vocab_size)
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.graphs = GraphCache(device) if cuda_graphs and device.type == "cuda" else None
+        if device.type == "cuda" and fused_kernels:
+            FusedKernels.enabled = True
         self.length_multiple = 32 if self.graphs is not None else 1
         self.pool: KVPool | None = None
         self.slots: dict[str, int] = {}

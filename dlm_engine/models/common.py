@@ -7,9 +7,66 @@ these pieces under their own published module names so checkpoints load without 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class FusedKernels:
+    """Elementwise pieces (norm, rotary, gated activation) optionally compiled into fused
+    kernels with `torch.compile`: in eager PyTorch each is a handful of tiny kernels, and at
+    small token counts those, not the matrix products, dominate a step on the GPU.
+
+    Off by default (CPU, tests); the model runner turns it on for CUDA devices. A function
+    that fails to compile falls back to eager for good."""
+
+    enabled = False
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.compiled = None
+        self.failed = False
+
+    def __call__(self, *args):
+        if FusedKernels.enabled and not self.failed:
+            try:
+                if self.compiled is None:
+                    self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
+                return self.compiled(*args)
+            except Exception as exc:  # compiler missing or unsupported: stay correct
+                logging.getLogger(__name__).warning("fused %s disabled: %s", self.fn.__name__, exc)
+                self.failed = True
+        return self.fn(*args)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, in_fp32: bool) -> torch.Tensor:
+    if in_fp32:
+        xf = x.float()
+        return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+rms_norm = FusedKernels(_rms_norm)
+apply_rope_fn = FusedKernels(_rope)
+silu_mul = FusedKernels(_silu_mul)
 
 
 class RMSNorm(nn.Module):
@@ -21,10 +78,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(
@@ -40,20 +94,11 @@ def rope_tables(
     return emb.cos(), emb.sin()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, in_fp32: bool
 ) -> torch.Tensor:
     """Rotate q or k. LLaDA rotates in float32; Qwen2/Dream casts the tables to the model dtype."""
-    if in_fp32:
-        xf = x.float()
-        return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
+    return apply_rope_fn(x, cos, sin, in_fp32)
 
 
 def attention(

@@ -21,6 +21,7 @@ from .common import (
     fuse_linears,
     gather_positions,
     rope_tables,
+    silu_mul,
 )
 
 
@@ -95,7 +96,7 @@ class DreamMLP(nn.Module):
             gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(gate, up))
 
 
 class DreamLayer(nn.Module):

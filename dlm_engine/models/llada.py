@@ -21,6 +21,7 @@ from .common import (
     fuse_linears,
     gather_positions,
     rope_tables,
+    silu_mul,
 )
 
 
@@ -109,7 +110,7 @@ class LLaDABlock(nn.Module):
             gate, up = self.gate_up(h).chunk(2, dim=-1)
         else:
             gate, up = self.ff_proj(h), self.up_proj(h)
-        return x + self.ff_out(F.silu(gate) * up)
+        return x + self.ff_out(silu_mul(gate, up))
 
     def fuse_projections(self) -> None:
         """Replace q/k/v and ff/up projections by fused layers (after loading weights)."""
