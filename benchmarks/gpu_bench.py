@@ -195,9 +195,18 @@ def main() -> None:
     modes = args.modes.split(",")
     rows: list[dict] = []
     gen = torch.Generator().manual_seed(0)
-    for model_name in args.models.split(","):
+    runs = [(m, q) for m in args.models.split(",") for q in args.quantization.split(",")]
+    for model_name, quant in runs:
         t_load = time.perf_counter()
-        lm = random_checkpoint(model_name, "bfloat16", args.device)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            base_mem = torch.cuda.memory_allocated(dev)
+        lm = random_checkpoint(
+            model_name, "bfloat16", args.device, None if quant == "none" else quant
+        )
+        weights_gb = (
+            (torch.cuda.memory_allocated(dev) - base_mem) / 1e9 if dev.type == "cuda" else 0.0
+        )
         engine = Engine(
             EngineConfig(
                 model=f"random:{model_name}",
@@ -209,7 +218,8 @@ def main() -> None:
             loaded=lm,
         )
         print(
-            f"\n== {model_name} ({sum(p.numel() for p in lm.model.parameters()) / 1e9:.2f}B params, built in {time.perf_counter() - t_load:.0f}s)",
+            f"\n== {model_name} quantization={quant} weights on GPU {weights_gb:.2f} GB, "
+            f"built in {time.perf_counter() - t_load:.0f}s",
             flush=True,
         )
         print(
@@ -251,6 +261,8 @@ def main() -> None:
                     tflops = res["flops"] / res["seconds"] / 1e12
                     row = {
                         "model": model_name,
+                        "quantization": quant,
+                        "weights_gb": weights_gb,
                         "mode": mode,
                         "batch": batch,
                         "steps": steps,
@@ -296,7 +308,10 @@ def plot(rows: list[dict], path: Path, device: str) -> None:
             pts = sorted(
                 (r["batch"], r["tok_s"])
                 for r in rows
-                if r["model"] == model and r["mode"] == mode and r["steps"] == 64
+                if r["model"] == model
+                and r["mode"] == mode
+                and r["steps"] == 64
+                and r["quantization"] == "none"
             )
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)

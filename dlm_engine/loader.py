@@ -97,7 +97,9 @@ def _special_ids(
     return int(mask_id), int(eos[0]), frozenset(int(i) for i in stops)
 
 
-def random_checkpoint(name: str, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+def random_checkpoint(
+    name: str, dtype: str = "auto", device: str = "cpu", quantization: str | None = None
+) -> LoadedModel:
     """A published architecture (see `presets.py`) with random weights, for benchmarks.
 
     Built directly on the device; the tokenizer is a small character-level one (token ids
@@ -130,6 +132,8 @@ def random_checkpoint(name: str, dtype: str = "auto", device: str = "cpu") -> Lo
                 p.normal_(0.0, 0.02)
     model.eval().requires_grad_(False)
     model.fuse_projections()
+    if quantization:
+        quantize_linears(model, quantization, dev)
     tok_dir = Path(tempfile.mkdtemp(prefix="dlm-random-tok-"))
     build_char_tokenizer(tok_dir, family.name)
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
@@ -149,7 +153,7 @@ def load_checkpoint(
 
     `random:<preset>` builds a published architecture with random weights (benchmarks)."""
     if str(path).startswith("random:"):
-        return random_checkpoint(str(path).removeprefix("random:"), dtype, device)
+        return random_checkpoint(str(path).removeprefix("random:"), dtype, device, quantization)
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     gen_file = path / "generation_config.json"
@@ -169,10 +173,9 @@ def load_checkpoint(
         del state[name]
     model.load_state_dict(state, assign=True, strict=True)
     model.eval().requires_grad_(False)
+    model.fuse_projections()
     if quantization:
         quantize_linears(model, quantization, dev)
-    else:
-        model.fuse_projections()
     tok = AutoTokenizer.from_pretrained(str(path))
     mask_id, eos_id, stop_ids = _special_ids(family, config, gen, tok)
     if family is LLADA and "mask_token_id" not in config and mask_id != 126336:

@@ -13,6 +13,8 @@ block (forward over a span against the cache). On CUDA each forward replays a ca
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +24,8 @@ from .decoding import RowDecode, RowIndex, propose, select_transfers
 from .kv_cache import KVPool, RefreshKV, SpanKV
 from .models.common import ForwardBatch, FusedKernels
 from .sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -64,10 +68,14 @@ class ModelRunner:
 
     # ---- forwards ---------------------------------------------------------------------------
     def _run(self, key: tuple, fn, inputs: dict[str, torch.Tensor], row_pad: dict) -> torch.Tensor:
-        if self.graphs is None:
-            with torch.inference_mode():
-                return fn(inputs)
-        return self.graphs.run(key, fn, inputs, row_pad)
+        if self.graphs is not None:
+            try:
+                return self.graphs.run(key, fn, inputs, row_pad)
+            except RuntimeError as exc:  # e.g. a quantized kernel that cannot be captured
+                log.warning("CUDA graph capture failed, running eagerly from now on: %s", exc)
+                self.graphs = None
+        with torch.inference_mode():
+            return fn(inputs)
 
     def _windows(self, seqs: list[Sequence], width: int) -> torch.Tensor:
         starts = torch.tensor([s.window_start for s in seqs], device=self.device)
