@@ -157,6 +157,7 @@ def main() -> None:
     ap.add_argument("--modes", default="reference,exact,prefix,dual")
     ap.add_argument("--ref-max-batch", type=int, default=32)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quantization", default="none", help="comma list of none,int8,nf4")
     ap.add_argument(
         "--profile", action="store_true", help="profile dual-cache steps at batch 1 first"
     )
