@@ -18,7 +18,9 @@ from dlm_engine import Engine, EngineConfig
 from dlm_engine.testing import SAMPLE_PROMPTS, make_tiny_checkpoint
 
 
-def run(engine: Engine, prompts: list[list[int]], params: dict, concurrent: bool) -> tuple[float, int, int]:
+def run(
+    engine: Engine, prompts: list[list[int]], params: dict, concurrent: bool
+) -> tuple[float, int, int]:
     """Seconds, committed tokens and engine steps to finish all prompts."""
     start_steps = engine.total_forwards
     t0 = time.perf_counter()
@@ -32,7 +34,9 @@ def run(engine: Engine, prompts: list[list[int]], params: dict, concurrent: bool
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", help="checkpoint directory (default: a tiny random LLaDA)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--requests", type=int, default=8)
@@ -43,17 +47,26 @@ def main() -> None:
     model = args.model
     if model is None:
         tmp = tempfile.TemporaryDirectory()
-        model = str(make_tiny_checkpoint(tmp.name, "llada", seed=1, d_model=128, n_layers=4, n_heads=4))
+        model = str(
+            make_tiny_checkpoint(tmp.name, "llada", seed=1, d_model=128, n_layers=4, n_heads=4)
+        )
     engine = Engine(EngineConfig(model=model, max_rows=args.requests))
     prompts = [
-        engine.encode_prompt(messages=[{"role": "user", "content": SAMPLE_PROMPTS[i % len(SAMPLE_PROMPTS)]}])
+        engine.encode_prompt(
+            messages=[{"role": "user", "content": SAMPLE_PROMPTS[i % len(SAMPLE_PROMPTS)]}]
+        )
         for i in range(args.requests)
     ]
     params = dict(max_tokens=args.max_tokens, steps=args.max_tokens, suppress_eos=True)
     run(engine, prompts[:1], params, concurrent=False)  # warm-up
-    print(f"model={model} family={engine.family.name} threads={args.threads} canvas={args.max_tokens}")
+    print(
+        f"model={model} family={engine.family.name} threads={args.threads} canvas={args.max_tokens}"
+    )
     print(f"{'mode':<26}{'requests':>9}{'seconds':>9}{'tok/s':>9}{'steps/s':>9}{'rows/step':>10}")
-    for label, concurrent in (("batch 1 (one at a time)", False), (f"{args.requests} concurrent", True)):
+    for label, concurrent in (
+        ("batch 1 (one at a time)", False),
+        (f"{args.requests} concurrent", True),
+    ):
         dt, tokens, steps = run(engine, prompts, params, concurrent)
         print(
             f"{label:<26}{args.requests:>9}{dt:>9.2f}{tokens / dt:>9.1f}{steps / dt:>9.1f}"

@@ -49,7 +49,7 @@ def build_char_tokenizer(out_dir: str | Path, family: str) -> dict[str, int]:
     vocab = {c: i for i, c in enumerate(CHARS)}
     vocab["<unk>"] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")  # newlines too
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     tok.save(str(out / "tokenizer.json"))
