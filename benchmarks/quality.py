@@ -66,6 +66,23 @@ def settings(max_tokens: int) -> list[Setting]:
     return out
 
 
+def cache_settings(max_tokens: int, block: int = 8) -> list[Setting]:
+    """Cached mode's quality cost: blocks of `block`, exact vs prefix vs dual KV caches."""
+    return [
+        Setting(
+            f"{cache} k={k}",
+            {
+                "max_tokens": max_tokens,
+                "steps": max_tokens // k,
+                "block_length": block,
+                "cache": cache,
+            },
+        )
+        for k in (1, 2)
+        for cache in ("none", "prefix", "dual")
+    ]
+
+
 def run_setting(
     engine: Engine, examples: list[tasks.Example], prompts: list[list[int]], setting: Setting
 ) -> Result:
@@ -181,6 +198,12 @@ def main(argv: list[str] | None = None) -> list[Result]:
     p.add_argument("--max-rows", type=int, default=100, help="engine rows per step")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     p.add_argument("--only", nargs="*", help="setting names to run (default: all)")
+    p.add_argument(
+        "--sweep",
+        choices=("parallel", "cache"),
+        default="parallel",
+        help="parallel: k tokens/step and thresholds; cache: exact vs prefix vs dual KV caches",
+    )
     p.add_argument("--plot", default=str(ROOT / "docs" / "quality_tradeoff.png"))
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--json", default=None, help="write the results here")
@@ -212,7 +235,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
         flush=True,
     )
     results: list[Result] = []
-    for s in settings(args.max_tokens):
+    sweep = settings if args.sweep == "parallel" else cache_settings
+    for s in sweep(args.max_tokens):
         if args.only and s.name not in args.only:
             continue
         r = run_setting(engine, examples, prompts, s)
@@ -224,7 +248,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
         )
     print()
     print(markdown_table(results))
-    if not args.no_plot and results:
+    if not args.no_plot and results and args.sweep == "parallel":
         plot(results, Path(args.plot), args.n)
         print(f"\nplot: {args.plot}")
     if args.json:
