@@ -170,3 +170,45 @@ def fuse_linears(layers: list[nn.Linear]) -> nn.Linear:
             fused.bias.copy_(torch.cat([layer.bias for layer in layers]))
     fused.requires_grad_(False)
     return fused
+
+
+class QKVHeads:
+    """For attention modules holding `q_proj`, `k_proj`, `v_proj` (published names) and, once
+    fused, `qkv`: projects and splits into heads [B, heads, T, head_dim]."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    qkv: nn.Linear | None
+
+    def qkv_heads(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, _ = h.shape
+        if self.qkv is not None:
+            kv_dim = self.n_kv_heads * self.head_dim
+            q, k, v = self.qkv(h).split([self.n_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def fuse_qkv(self) -> None:
+        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
+
+def gated_mlp(owner: nn.Module, gate: str, up: str, x: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate(x)) * up(x) for the layers named `gate` and `up` of `owner`, or from
+    `owner.gate_up` once `fuse_gate_up` has fused them."""
+    if owner.gate_up is not None:
+        g, u = owner.gate_up(x).chunk(2, dim=-1)
+    else:
+        g, u = getattr(owner, gate)(x), getattr(owner, up)(x)
+    return silu_mul(g, u)
+
+
+def fuse_gate_up(owner: nn.Module, gate: str, up: str) -> None:
+    owner.gate_up = fuse_linears([getattr(owner, gate), getattr(owner, up)])
+    delattr(owner, gate)
+    delattr(owner, up)

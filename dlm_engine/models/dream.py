@@ -16,12 +16,13 @@ from torch import nn
 
 from .common import (
     ForwardBatch,
+    QKVHeads,
     RMSNorm,
     apply_rope,
-    fuse_linears,
+    fuse_gate_up,
+    gated_mlp,
     gather_positions,
     rope_tables,
-    silu_mul,
 )
 
 
@@ -55,12 +56,12 @@ class DreamArch:
         )
 
 
-class DreamAttention(nn.Module):
+class DreamAttention(QKVHeads, nn.Module):
     def __init__(self, a: DreamArch) -> None:
         super().__init__()
         self.head_dim = a.hidden_size // a.num_attention_heads
-        self.n_heads, self.n_kv = a.num_attention_heads, a.num_key_value_heads
-        kv_dim = self.n_kv * self.head_dim
+        self.n_heads, self.n_kv_heads = a.num_attention_heads, a.num_key_value_heads
+        kv_dim = self.n_kv_heads * self.head_dim
         self.q_proj = nn.Linear(a.hidden_size, a.hidden_size, bias=True)
         self.k_proj = nn.Linear(a.hidden_size, kv_dim, bias=True)
         self.v_proj = nn.Linear(a.hidden_size, kv_dim, bias=True)
@@ -69,14 +70,7 @@ class DreamAttention(nn.Module):
 
     def forward(self, h: torch.Tensor, rope, batch: ForwardBatch, layer: int) -> torch.Tensor:
         b, t, _ = h.shape
-        if self.qkv is not None:
-            kv_dim = self.n_kv * self.head_dim
-            q, k, v = self.qkv(h).split([self.n_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
-        else:
-            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = v.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = self.qkv_heads(h)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin, in_fp32=False), apply_rope(k, cos, sin, in_fp32=False)
         return self.o_proj(batch.attend(layer, q, k, v).transpose(1, 2).reshape(b, t, -1))
@@ -92,11 +86,7 @@ class DreamMLP(nn.Module):
         self.gate_up: nn.Linear | None = None  # set by fuse_projections()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(gated_mlp(self, "gate_proj", "up_proj", x))
 
 
 class DreamLayer(nn.Module):
@@ -139,10 +129,8 @@ class DreamModel(nn.Module):
     def fuse_projections(self) -> None:
         """Fused q/k/v and gate/up layers (after loading weights)."""
         for layer in self.model.layers:
-            a, m = layer.self_attn, layer.mlp
-            a.qkv = fuse_linears([a.q_proj, a.k_proj, a.v_proj])
-            m.gate_up = fuse_linears([m.gate_proj, m.up_proj])
-            del a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj
+            layer.self_attn.fuse_qkv()
+            fuse_gate_up(layer.mlp, "gate_proj", "up_proj")
 
     def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)

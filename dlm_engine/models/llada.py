@@ -16,12 +16,13 @@ from torch import nn
 
 from .common import (
     ForwardBatch,
+    QKVHeads,
     RMSNorm,
     apply_rope,
-    fuse_linears,
+    fuse_gate_up,
+    gated_mlp,
     gather_positions,
     rope_tables,
-    silu_mul,
 )
 
 
@@ -63,7 +64,7 @@ class LLaDAArch:
         )
 
 
-class LLaDABlock(nn.Module):
+class LLaDABlock(QKVHeads, nn.Module):
     """One pre-norm block: attention then SwiGLU MLP (`act(ff_proj(x)) * up_proj(x)`)."""
 
     def __init__(self, a: LLaDAArch) -> None:
@@ -92,31 +93,18 @@ class LLaDABlock(nn.Module):
         layer: int,
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        h = self.attn_norm(x)
-        if self.qkv is not None:
-            kv_dim = self.n_kv_heads * self.head_dim
-            q, k, v = self.qkv(h).split([self.n_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
-        else:
-            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.qkv_heads(self.attn_norm(x))
         cos, sin = rope
         q, k = apply_rope(q, cos, sin, in_fp32=True), apply_rope(k, cos, sin, in_fp32=True)
         att = batch.attend(layer, q, k, v).transpose(1, 2).reshape(b, t, -1)
         x = x + self.attn_out(att)
         h = self.ff_norm(x)
-        if self.gate_up is not None:
-            gate, up = self.gate_up(h).chunk(2, dim=-1)
-        else:
-            gate, up = self.ff_proj(h), self.up_proj(h)
-        return x + self.ff_out(silu_mul(gate, up))
+        return x + self.ff_out(gated_mlp(self, "ff_proj", "up_proj", h))
 
     def fuse_projections(self) -> None:
         """Replace q/k/v and ff/up projections by fused layers (after loading weights)."""
-        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        self.gate_up = fuse_linears([self.ff_proj, self.up_proj])
-        del self.q_proj, self.k_proj, self.v_proj, self.ff_proj, self.up_proj
+        self.fuse_qkv()
+        fuse_gate_up(self, "ff_proj", "up_proj")
 
 
 class _Transformer(nn.Module):
