@@ -3,13 +3,12 @@ runs), on free ports, with the CPU config and a tiny random checkpoint."""
 
 from __future__ import annotations
 
-import re
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from dlm_client import DLMClient
+from triton_metrics import read_metric
 
 from dlm_triton.launcher import Ports, TritonServerProcess
 from dlm_triton.server_dist import TritonNotFoundError, find_server
@@ -69,30 +68,6 @@ def client(triton_server: TritonServerProcess) -> DLMClient:
     return DLMClient(
         triton_server.urls["grpc"], triton_server.model_name, http_url=triton_server.urls["http"]
     )
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$")
-
-
-def scrape(server: TritonServerProcess) -> dict[tuple[str, str], float]:
-    """Prometheus text -> {(name, labels): value} (labels as written by Triton)."""
-    with urllib.request.urlopen(server.urls["metrics"], timeout=10) as resp:
-        text = resp.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match and not line.startswith("#"):
-            samples[(match.group(1), match.group(2) or "")] = float(match.group(3))
-    return samples
-
-
-def read_metric(server: TritonServerProcess, name: str, **labels: str) -> float:
-    """Sum of a metric's samples whose labels include ``labels``."""
-    total = 0.0
-    for (sample, label_text), value in scrape(server).items():
-        if sample == name and all(f'{k}="{v}"' in label_text for k, v in labels.items()):
-            total += value
-    return total
 
 
 @pytest.fixture()

@@ -20,6 +20,7 @@ import openai
 import proxy_fixtures
 import pytest
 from proxy_fixtures import ProxyProcess
+from triton_metrics import read_metric
 
 from dlm_triton.launcher import Ports, TritonServerProcess, free_port
 
@@ -399,7 +400,6 @@ def test_requests_are_spread_over_ready_tritons(
     server_factory: Callable[..., TritonServerProcess],
     tmp_path: Path,
 ) -> None:
-    from conftest import read_metric
 
     # The same model name on a second server, as a replica would be deployed.
     second = server_factory(tiny_checkpoint, name=triton_server.model_name)
