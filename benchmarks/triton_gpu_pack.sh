@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Pack what benchmarks/triton_gpu_device.sh needs on a GPU machine that has python3 + torch but
+# no tritonserver, tritonclient or numpy<2, and no network: one tar.xz laid out like a
+# site-packages folder (the device run carries 64 MiB at most, this is about 44 MB):
+#   pytriton/tritonserver/{bin/tritonserver, backends/python/*, python_backend_stubs/<py>/*}
+#   nvidia_pytriton.libs/*  (all but the libpython of another version)
+#   numpy==1.26.4 (the 2.51 stub breaks on numpy 2), tritonclient and its gRPC dependencies,
+#   unpacked from cp<py> manylinux wheels, tests left out.
+# Run from a checkout whose .venv has the serve extra (nvidia-pytriton) installed:
+#   benchmarks/triton_gpu_pack.sh [DEST]        (default .tritongpu/site.tar.xz, git-ignored)
+# PY_TAG=3.12 picks the stub and wheels; WHEELS=0 packs the server only; XZ_LEVEL=-9e.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+py=${PY_TAG:-3.12}
+dest=$(realpath -m "${1:-$repo/.tritongpu/site.tar.xz}")
+root=$("$repo/.venv/bin/python" -c 'from dlm_triton.server_dist import wheel_root; print(wheel_root() or "")')
+[ -n "$root" ] || { echo "nvidia-pytriton is not installed in $repo/.venv" >&2; exit 1; }
+src=$(dirname "$(dirname "$root")")  # site-packages
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+site=$stage/site
+mkdir -p "$site/pytriton/tritonserver/bin" "$site/pytriton/tritonserver/backends/python" \
+    "$site/pytriton/tritonserver/python_backend_stubs/$py" "$site/nvidia_pytriton.libs"
+touch "$site/pytriton/__init__.py"  # empty: only server_dist's lookup needs the package
+cp "$root/bin/tritonserver" "$site/pytriton/tritonserver/bin/"
+cp "$root/backends/python/libtriton_python.so" "$root/backends/python/triton_python_backend_utils.py" \
+    "$site/pytriton/tritonserver/backends/python/"
+cp "$root/python_backend_stubs/$py/triton_python_backend_stub" \
+    "$site/pytriton/tritonserver/python_backend_stubs/$py/"
+for lib in "$src"/nvidia_pytriton.libs/*; do
+    case $(basename "$lib") in libpython3-*) ;; *) cp "$lib" "$site/nvidia_pytriton.libs/" ;; esac
+done
+if [ "${WHEELS:-1}" = 1 ]; then
+    "$repo/.venv/bin/pip" download -q --no-deps --only-binary=:all: --python-version "$py" \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d "$stage/wheels" \
+        numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.25 grpcio==1.85.1 \
+        protobuf==6.33.6 ml-dtypes==0.5.4
+    for w in "$stage"/wheels/*.whl; do "$repo/.venv/bin/python" -m zipfile -e "$w" "$site/"; done
+    rm -rf "$site"/numpy/*/tests "$site"/numpy/tests "$site"/numpy/f2py "$site"/numpy/_pyinstaller \
+        "$site"/tritonclient/http "$site"/tritonclient/_plugins "$site"/tritonhttpclient
+fi
+find "$site" -name __pycache__ -prune -exec rm -rf {} +
+mkdir -p "$(dirname "$dest")"
+tar -cf - -C "$site" . | xz "${XZ_LEVEL:--9e}" -T0 >"$dest"
+ls -l "$dest"
