@@ -18,19 +18,25 @@ from dlm_engine import Engine, EngineConfig
 from dlm_engine.testing import SAMPLE_PROMPTS, make_tiny_checkpoint
 
 
-def run(
-    engine: Engine, prompts: list[list[int]], params: dict, concurrent: bool
-) -> tuple[float, int, int]:
-    """Seconds, committed tokens and engine steps to finish all prompts."""
-    start_steps = engine.total_forwards
+def run(engine: Engine, prompts: list[list[int]], params: dict, concurrent: bool) -> dict:
+    """Seconds, committed tokens, engine steps and mean rows per step to finish all prompts."""
+    groups = [prompts] if concurrent else [[p] for p in prompts]
+    steps = rows = tokens = 0
     t0 = time.perf_counter()
-    if concurrent:
-        outs = engine.generate(prompts, params)
-    else:
-        outs = [engine.generate([p], params)[0] for p in prompts]
-    dt = time.perf_counter() - t0
-    tokens = sum(o.completion_tokens for o in outs)
-    return dt, tokens, engine.total_forwards - start_steps
+    for group in groups:
+        for p in group:
+            engine.add_request(None, p, params)
+        while engine.has_unfinished():
+            outs = engine.step()
+            steps += 1
+            rows += engine.last_step_rows
+            tokens += sum(o.completion_tokens for o in outs if o.finished)
+    return {
+        "seconds": time.perf_counter() - t0,
+        "tokens": tokens,
+        "steps": steps,
+        "rows": rows / steps,
+    }
 
 
 def main() -> None:
@@ -67,10 +73,10 @@ def main() -> None:
         ("batch 1 (one at a time)", False),
         (f"{args.requests} concurrent", True),
     ):
-        dt, tokens, steps = run(engine, prompts, params, concurrent)
+        r = run(engine, prompts, params, concurrent)
         print(
-            f"{label:<26}{args.requests:>9}{dt:>9.2f}{tokens / dt:>9.1f}{steps / dt:>9.1f}"
-            f"{args.requests * args.max_tokens / steps:>10.1f}"
+            f"{label:<26}{args.requests:>9}{r['seconds']:>9.2f}{r['tokens'] / r['seconds']:>9.1f}"
+            f"{r['steps'] / r['seconds']:>9.1f}{r['rows']:>10.1f}"
         )
     if tmp is not None:
         tmp.cleanup()
