@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from .config import EngineConfig
@@ -294,6 +295,12 @@ class Engine:
         return dropped
 
     # ---- convenience ------------------------------------------------------------------------
+    def outputs(self) -> Iterator[RequestOutput]:
+        """Step until every request has finished, yielding outputs as they come; requests may
+        be added or aborted between items."""
+        while self.has_unfinished():
+            yield from self.step()
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -305,9 +312,5 @@ class Engine:
         """Run prompts to completion together (batched); final outputs in prompt order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(None, p, sp) for p, sp in zip(prompts, plist, strict=False)]
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
+        final = {o.request_id: o for o in self.outputs() if o.finished}
         return [final[i] for i in ids]
