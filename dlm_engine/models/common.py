@@ -212,3 +212,33 @@ def fuse_gate_up(owner: nn.Module, gate: str, up: str) -> None:
     owner.gate_up = fuse_linears([getattr(owner, gate), getattr(owner, up)])
     delattr(owner, gate)
     delattr(owner, up)
+
+
+class BidirectionalLM(nn.Module):
+    """What both families share: embed, run the blocks with per-row RoPE positions, and
+    compute logits only at the positions a step asks for. Families supply the published
+    module tree through `embed`, `blocks`, `head` and their architecture numbers."""
+
+    logits_shift = 0  # Dream predicts token i from position i - 1
+    head_dim: int
+    rope_theta: float
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def blocks(self) -> nn.ModuleList:
+        raise NotImplementedError
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed(batch.input_ids)
+        rope = rope_tables(batch.positions, self.head_dim, self.rope_theta)
+        for i, block in enumerate(self.blocks()):
+            x = block(x, rope, batch, i)
+        return x
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [B, K, vocab] of hidden positions `batch.logits_index` (all when None)."""
+        return self.head(gather_positions(self.hidden_states(batch), batch.logits_index))

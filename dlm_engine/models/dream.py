@@ -15,14 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .common import (
+    BidirectionalLM,
     ForwardBatch,
     QKVHeads,
     RMSNorm,
     apply_rope,
     fuse_gate_up,
     gated_mlp,
-    gather_positions,
-    rope_tables,
 )
 
 
@@ -110,8 +109,8 @@ class _Backbone(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
-class DreamModel(nn.Module):
-    """`DreamModel` weights; forward returns logits only where the caller asks for them."""
+class DreamModel(BidirectionalLM):
+    """`DreamModel` weights; logits shifted right by one (`logits_shift = 1`)."""
 
     logits_shift = 1
 
@@ -121,6 +120,8 @@ class DreamModel(nn.Module):
         self.model = _Backbone(arch)
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.head_dim = arch.hidden_size // arch.num_attention_heads
+        self.rope_theta = arch.rope_theta
 
     @property
     def vocab_size(self) -> int:
@@ -132,20 +133,14 @@ class DreamModel(nn.Module):
             layer.self_attn.fuse_qkv()
             fuse_gate_up(layer.mlp, "gate_proj", "up_proj")
 
-    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids)
-        a = self.arch
-        rope = rope_tables(batch.positions, a.hidden_size // a.num_attention_heads, a.rope_theta)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, batch, i)
-        return x
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    def blocks(self) -> nn.ModuleList:
+        return self.model.layers
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         h = self.model.norm(h)
         if self.arch.tie_word_embeddings:
             return F.linear(h, self.model.embed_tokens.weight)
         return self.lm_head(h)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [B, K, vocab] of hidden positions `batch.logits_index` (all when None)."""
-        return self.head(gather_positions(self.hidden_states(batch), batch.logits_index))

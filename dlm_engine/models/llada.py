@@ -15,14 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .common import (
+    BidirectionalLM,
     ForwardBatch,
     QKVHeads,
     RMSNorm,
     apply_rope,
     fuse_gate_up,
     gated_mlp,
-    gather_positions,
-    rope_tables,
 )
 
 
@@ -123,15 +122,15 @@ class _Wrapper(nn.Module):
         self.transformer = _Transformer(a)
 
 
-class LLaDAModel(nn.Module):
-    """`LLaDAModelLM` weights; forward returns logits only where the caller asks for them."""
-
-    logits_shift = 0
+class LLaDAModel(BidirectionalLM):
+    """`LLaDAModelLM` weights; logits are unshifted."""
 
     def __init__(self, arch: LLaDAArch) -> None:
         super().__init__()
         self.arch = arch
         self.model = _Wrapper(arch)
+        self.head_dim = arch.d_model // arch.n_heads
+        self.rope_theta = arch.rope_theta
 
     @property
     def vocab_size(self) -> int:
@@ -141,15 +140,11 @@ class LLaDAModel(nn.Module):
         for block in self.model.transformer.blocks:
             block.fuse_projections()
 
-    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
-        tr = self.model.transformer
-        x = tr.wte(batch.input_ids)
-        rope = rope_tables(
-            batch.positions, self.arch.d_model // self.arch.n_heads, self.arch.rope_theta
-        )
-        for i, block in enumerate(tr.blocks):
-            x = block(x, rope, batch, i)
-        return x
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.transformer.wte(ids)
+
+    def blocks(self) -> nn.ModuleList:
+        return self.model.transformer.blocks
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         tr = self.model.transformer
@@ -157,8 +152,3 @@ class LLaDAModel(nn.Module):
         if self.arch.weight_tying:
             return F.linear(h, tr.wte.weight)
         return tr.ff_out(h)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [B, K, vocab] at `batch.logits_index` (all positions when None)."""
-        h = gather_positions(self.hidden_states(batch), batch.logits_index)
-        return self.head(h)
