@@ -1,4 +1,4 @@
-"""Headless Locust against the real local CPU stack: tritonserver (session fixture) + the proxy.
+"""Headless Locust against the real local CPU stack: tritonserver on the embedded tiny-dlm + the proxy.
 
 The load is ``benchmarks/locustfile.py`` exactly as operators run it, so a broken SSE stream,
 a missing usage chunk, a bad finish_reason or a Triton error fails here as a Locust failure.
@@ -21,7 +21,8 @@ from types import ModuleType
 
 import pytest
 
-from dlm_triton.launcher import TritonServerProcess, proxy_command
+from dlm_triton.launcher import Ports, TritonServerProcess, proxy_command
+from dlm_triton.server_dist import TritonNotFoundError, find_server
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCUSTFILE = ROOT / "benchmarks" / "locustfile.py"
@@ -49,16 +50,41 @@ def _stop(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
         proc.wait(timeout=10)
 
 
+EMBEDDED_MODEL = Path(__file__).resolve().parents[2] / "dlm_engine" / "assets" / "tiny-dlm"
+
+
+@pytest.fixture(scope="module")
+def embedded_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServerProcess]:
+    """tritonserver on the embedded default model (what `dlm-triton serve` serves), free ports."""
+    try:
+        find_server()
+    except TritonNotFoundError:
+        pytest.skip("no tritonserver available")
+    server = TritonServerProcess(
+        EMBEDDED_MODEL,
+        model_name="tiny-dlm",
+        device="cpu",
+        ports=Ports.free(),
+        log_path=tmp_path_factory.mktemp("locust-triton") / "triton.log",
+        ready_timeout_s=180,
+        exit_timeout_s=5,
+    ).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def proxy_url(
-    triton_server: TritonServerProcess, tmp_path_factory: pytest.TempPathFactory
+    embedded_server: TritonServerProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """The OpenAI proxy in front of the session's tritonserver, started with the launcher's
     own command line (what ``dlm-triton serve`` runs), stopped by PID."""
-    cmd = proxy_command(triton_server.ports, triton_server.model_name, "127.0.0.1")
+    cmd = proxy_command(embedded_server.ports, embedded_server.model_name, "127.0.0.1")
     assert cmd is not None, "openai_proxy has no __main__: the launcher cannot start it"
     log_path = tmp_path_factory.mktemp("proxy") / "proxy.log"
-    url = f"http://127.0.0.1:{triton_server.ports.proxy}"
+    url = f"http://127.0.0.1:{embedded_server.ports.proxy}"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -98,7 +124,7 @@ def _stats(path: Path) -> dict[tuple[str, str], dict[str, str]]:
 
 
 def test_locust_20s_against_cpu_stack_has_no_failures(
-    triton_server: TritonServerProcess, proxy_url: str, tmp_path: Path
+    embedded_server: TritonServerProcess, proxy_url: str, tmp_path: Path
 ) -> None:
     prefix = tmp_path / "load"
     proc = subprocess.run(
@@ -123,12 +149,12 @@ def test_locust_20s_against_cpu_stack_has_no_failures(
             "--csv",
             str(prefix),
         ],
-        env=_load_env(triton_server),
+        env=_load_env(embedded_server),
         capture_output=True,
         text=True,
         timeout=180,
     )
-    output = proc.stdout[-4000:] + proc.stderr[-4000:] + _server_log(triton_server)
+    output = proc.stdout[-4000:] + proc.stderr[-4000:] + _server_log(embedded_server)
     rows = _stats(Path(f"{prefix}_stats.csv"))
     aggregated = rows[("", "Aggregated")]
     assert int(aggregated["Failure Count"]) == 0, (
@@ -160,7 +186,7 @@ def _run_load_module() -> ModuleType:
 
 
 def test_run_load_sweep_writes_csvs_and_png(
-    triton_server: TritonServerProcess, proxy_url: str, tmp_path: Path
+    embedded_server: TritonServerProcess, proxy_url: str, tmp_path: Path
 ) -> None:
     out = tmp_path / "sweep"
     proc = subprocess.run(
@@ -178,12 +204,12 @@ def test_run_load_sweep_writes_csvs_and_png(
             "--out",
             str(out),
         ],
-        env=_load_env(triton_server),
+        env=_load_env(embedded_server),
         capture_output=True,
         text=True,
         timeout=180,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr + _server_log(triton_server)
+    assert proc.returncode == 0, proc.stdout + proc.stderr + _server_log(embedded_server)
     for users in (1, 2):
         assert (out / f"u{users:03d}_stats.csv").exists()
     rows = _run_load_module().read_stats(out / "u002_stats.csv", 2)
