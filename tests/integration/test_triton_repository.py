@@ -120,3 +120,12 @@ def test_checkpoint_names_resolve_to_embedded_assets(tmp_path) -> None:
     (tmp_path / "ckpt").mkdir()
     assert resolve_checkpoint("ckpt", model_dir=tmp_path) == str(tmp_path / "ckpt")
     assert resolve_checkpoint("GSAI-ML/LLaDA-8B-Instruct") == "GSAI-ML/LLaDA-8B-Instruct"
+
+
+def test_max_batch_size_follows_a_max_rows_override() -> None:
+    """A burst of max_rows requests must reach the engine in one execute() call."""
+    spec = model_repo.ModelSpec("m", "ckpt", extra={"max_rows": "32"})
+    assert "max_batch_size: 32" in model_repo.render_config(spec, "KIND_CPU")
+    assert "max_batch_size: 16" in model_repo.render_config(
+        model_repo.ModelSpec("m", "c"), "KIND_CPU"
+    )
