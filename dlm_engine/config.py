@@ -20,6 +20,7 @@ class EngineConfig:
     max_step_tokens: int = 65536  # prompt + canvas tokens of all rows in one forward
     default_max_tokens: int = 64
     cuda_graphs: bool = True  # replay captured graphs for the forwards on CUDA devices
+    max_cuda_graphs: int = 24  # shapes kept captured; each holds its own activation memory
     fused_kernels: bool = True  # torch.compile the elementwise pieces on CUDA devices
 
     def __post_init__(self) -> None:

@@ -41,7 +41,7 @@ class _Captured:
 class GraphCache:
     """Captures `fn(static_inputs)` once per key and row bucket; replays it afterwards."""
 
-    def __init__(self, device: torch.device, max_graphs: int = 64) -> None:
+    def __init__(self, device: torch.device, max_graphs: int = 24) -> None:
         self.device = device
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()

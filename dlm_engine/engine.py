@@ -47,6 +47,7 @@ class Engine:
             lm.device,
             max_rows=config.max_rows,
             cuda_graphs=config.cuda_graphs,
+            max_cuda_graphs=config.max_cuda_graphs,
             fused_kernels=config.fused_kernels,
         )
         self.scheduler = Scheduler(config.max_rows, config.max_queue, config.max_step_tokens)

@@ -42,6 +42,7 @@ class ModelRunner:
         *,
         max_rows: int = 16,
         cuda_graphs: bool = True,
+        max_cuda_graphs: int = 24,
         fused_kernels: bool = True,
     ) -> None:
         self.model = model
@@ -54,7 +55,8 @@ class ModelRunner:
         self.shift = int(getattr(model, "logits_shift", 0))
         self.model_vocab = int(model.vocab_size)
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        self.graphs = GraphCache(device) if cuda_graphs and device.type == "cuda" else None
+        use_graphs = cuda_graphs and device.type == "cuda" and max_cuda_graphs > 0
+        self.graphs = GraphCache(device, max_cuda_graphs) if use_graphs else None
         if device.type == "cuda" and fused_kernels:
             FusedKernels.enabled = True
         self.length_multiple = 32 if self.graphs is not None else 1
