@@ -111,15 +111,18 @@ def read_stats(path: Path, users: int) -> list[Row]:
     return rows
 
 
-def run_locust(
+def locust_command(
     users: int,
-    args: argparse.Namespace,
-    env: dict[str, str],
-    out: Path,
-) -> tuple[int, Path]:
-    """One headless Locust run; returns its exit code (1 = some failures) and stats CSV."""
-    prefix = out / f"u{users:03d}"
-    cmd = [
+    host: str,
+    csv_prefix: Path,
+    *,
+    spawn_rate: int | None = None,
+    run_time: str = "20s",
+    stop_timeout: int = 60,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
+    """The headless Locust command line for one run of benchmarks/locustfile.py."""
+    return [
         sys.executable,
         "-m",
         "locust",
@@ -130,19 +133,36 @@ def run_locust(
         "--users",
         str(users),
         "--spawn-rate",
-        str(args.spawn_rate or users),
+        str(spawn_rate or users),
         "--run-time",
-        args.run_time,
+        run_time,
         "--stop-timeout",
-        str(args.stop_timeout),
+        str(stop_timeout),
         "--host",
-        args.host,
+        host,
         "--csv",
-        str(prefix),
-        "--loglevel",
-        "WARNING",
-        *args.user_class,
+        str(csv_prefix),
+        *extra,
     ]
+
+
+def run_locust(
+    users: int,
+    args: argparse.Namespace,
+    env: dict[str, str],
+    out: Path,
+) -> tuple[int, Path]:
+    """One headless Locust run; returns its exit code (1 = some failures) and stats CSV."""
+    prefix = out / f"u{users:03d}"
+    cmd = locust_command(
+        users,
+        args.host,
+        prefix,
+        spawn_rate=args.spawn_rate,
+        run_time=args.run_time,
+        stop_timeout=args.stop_timeout,
+        extra=("--loglevel", "WARNING", *args.user_class),
+    )
     print(f"== {users} users: {' '.join(cmd[3:])}", flush=True)
     with (out / f"u{users:03d}.log").open("w") as log:
         proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)

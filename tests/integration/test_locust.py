@@ -25,7 +25,6 @@ from dlm_triton.launcher import Ports, TritonServerProcess, proxy_command
 from dlm_triton.server_dist import TritonNotFoundError, find_server
 
 ROOT = Path(__file__).resolve().parents[2]
-LOCUSTFILE = ROOT / "benchmarks" / "locustfile.py"
 
 pytestmark = pytest.mark.integration
 
@@ -127,28 +126,9 @@ def test_locust_20s_against_cpu_stack_has_no_failures(
     embedded_server: TritonServerProcess, proxy_url: str, tmp_path: Path
 ) -> None:
     prefix = tmp_path / "load"
+    cmd = _run_load_module().locust_command(4, proxy_url, prefix, run_time="20s", stop_timeout=60)
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "locust",
-            "-f",
-            str(LOCUSTFILE),
-            "--headless",
-            "--only-summary",
-            "--users",
-            "4",
-            "--spawn-rate",
-            "4",
-            "--run-time",
-            "20s",
-            "--stop-timeout",
-            "60",
-            "--host",
-            proxy_url,
-            "--csv",
-            str(prefix),
-        ],
+        cmd,
         env=_load_env(embedded_server),
         capture_output=True,
         text=True,
