@@ -87,11 +87,14 @@ class Engine:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         else:
             ids = self._check_ids(input_ids)
+        return self._check_length(ids, given[0])
+
+    def _check_length(self, ids: list[int], field: str) -> list[int]:
         if not ids:
-            raise InvalidRequestError(given[0], "prompt is empty")
+            raise InvalidRequestError(field, "prompt is empty")
         if len(ids) > self.config.max_prompt:
             raise InvalidRequestError(
-                given[0], f"prompt has {len(ids)} tokens; the limit is {self.config.max_prompt}"
+                field, f"prompt has {len(ids)} tokens; the limit is {self.config.max_prompt}"
             )
         return ids
 
@@ -160,14 +163,7 @@ class Engine:
         if request_id in self.scheduler:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         resolved = params if isinstance(params, ResolvedParams) else self.resolve_params(params)
-        prompt_ids = self._check_ids(list(prompt_ids))
-        if not prompt_ids:
-            raise InvalidRequestError("prompt", "prompt is empty")
-        if len(prompt_ids) > self.config.max_prompt:
-            raise InvalidRequestError(
-                "prompt",
-                f"prompt has {len(prompt_ids)} tokens; the limit is {self.config.max_prompt}",
-            )
+        prompt_ids = self._check_length(self._check_ids(list(prompt_ids)), "prompt")
         seq = Sequence(
             request_id,
             prompt_ids,
