@@ -7,7 +7,7 @@ with or without an index, tokenizer files) and never executes checkpoint code.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,6 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     path: Path
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def resolve_dtype(name: str, config: dict[str, Any]) -> torch.dtype:

@@ -69,7 +69,7 @@ class LLaDABlock(QKVHeads, nn.Module):
     def __init__(self, a: LLaDAArch) -> None:
         super().__init__()
         self.head_dim = a.d_model // a.n_heads
-        self.n_heads, self.n_kv_heads, self.theta = a.n_heads, a.n_kv_heads, a.rope_theta
+        self.n_heads, self.n_kv_heads = a.n_heads, a.n_kv_heads
         qkv_bias = a.include_bias or a.include_qkv_bias
         kv_dim = a.n_kv_heads * self.head_dim
         self.attn_norm = RMSNorm(a.d_model, a.rms_norm_eps)
