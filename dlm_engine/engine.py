@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .config import EngineConfig
+from .decoding.structured import StructuredOutput
 from .errors import InvalidRequestError
 from .loader import LoadedModel, load_checkpoint
 from .model_runner import ModelRunner
@@ -57,6 +58,7 @@ class Engine:
         self.last_step_rows = 0
         self.last_step_seconds = 0.0
         self.mask_token = lm.tokenizer.convert_ids_to_tokens(lm.mask_id)
+        self.structured = StructuredOutput(lm, self.runner)  # grammar-constrained rows
 
     # ---- requests -------------------------------------------------------------------------
     def encode_prompt(
@@ -143,13 +145,15 @@ class Engine:
         """Validate request settings for this model (pure: safe to call from any thread)."""
         if not isinstance(params, SamplingParams):
             params = SamplingParams.from_dict(params)
-        return resolve(
-            params,
+        return self.structured.check(
+            resolve(
+                params,
             family=self.family.name,
             default_algorithm=self.family.default_algorithm,
             uses_blocks=self.family.uses_blocks_by_default,
             max_canvas=self.config.max_canvas,
-            default_max_tokens=self.config.default_max_tokens,
+                default_max_tokens=self.config.default_max_tokens,
+            )
         )
 
     def add_request(
@@ -172,6 +176,7 @@ class Engine:
             mask_id=self.mask_id,
             device=self.loaded.device,
         )
+        seq.constraint = self.structured.row_constraint(resolved)
         self.scheduler.add(seq)
         self._texts[request_id] = StableText(self.tokenizer, self.stop_ids, resolved.stop)
         return request_id

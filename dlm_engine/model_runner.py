@@ -21,6 +21,7 @@ from torch import nn
 
 from .cuda_graphs import GraphCache, round_up
 from .decoding import RowDecode, RowIndex, propose, select_transfers
+from .decoding.constraints import ConstrainedStep, ConstraintRuntime
 from .kv_cache import KVPool, RefreshKV, SpanKV
 from .models.common import ForwardBatch, FusedKernels
 from .sequence import Sequence
@@ -67,6 +68,7 @@ class ModelRunner:
         # work done, for benchmarks: tokens through the layers, (query, key) pairs in
         # attention, and positions sent through the output head
         self.work = {"tokens": 0, "attn_pairs": 0, "logit_positions": 0}
+        self.constraint_runtime: ConstraintRuntime | None = None  # set on first constrained row
 
     # ---- forwards ---------------------------------------------------------------------------
     def _run(self, key: tuple, fn, inputs: dict[str, torch.Tensor], row_pad: dict) -> torch.Tensor:
@@ -303,13 +305,19 @@ class ModelRunner:
             device=dev,
             dtype=torch.float64,
         )
+        constrained = ConstrainedStep(self.constraint_runtime, seqs) if self.constraint_runtime else None
         logits, current = self._window_logits(seqs)
+        if constrained:  # grammar rows: masks on the CPU while the forward runs, then in order
+            constrained.prepare()
+            forced = constrained.commit(logits, current)
         valid = torch.arange(logits.shape[1], device=dev)[None, :] < widths[:, None]
         masked = (current == self.mask_id) & valid
         x0, conf = propose(self.family, logits, rows, index, self.eos_id, self.mask_id)
         chosen = select_transfers(conf, masked, k, thr)
         chosen = self._sampled_positions(seqs, chosen, conf, masked, k)
         new = torch.where(chosen, x0, current)
+        if constrained:
+            new = constrained.write(new, current, forced)
         for i, s in enumerate(seqs):
             w = s.window_width
             s.tokens[s.window_start : s.window_start + w] = new[i, :w]

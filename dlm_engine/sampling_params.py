@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .decoding.grammar import CONSTRAINT_KEYS, Constraint, parse_constraint
+from .decoding.grammar import coerce_value as _constraint_value
 from .errors import InvalidRequestError
 
 ALGORITHMS = (
@@ -60,6 +62,11 @@ class SamplingParams:
     stream_mode: str = "delta"
     suppress_eos: bool = False
     cache: str = "none"
+    # structure constraint (dlm_engine/decoding/grammar.py): at most one of these
+    response_format: Any = None
+    regex: Any = None
+    choice: Any = None
+    grammar: Any = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> SamplingParams:
@@ -123,6 +130,8 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, bool):
             raise InvalidRequestError(name, f"must be a boolean, got {value!r}")
         return value
+    if name in CONSTRAINT_KEYS:
+        return _constraint_value(name, value)
     if not isinstance(value, str):
         raise InvalidRequestError(name, f"must be a string, got {value!r}")
     return value
@@ -147,6 +156,7 @@ class ResolvedParams:
     stream_mode: str
     suppress_eos: bool
     cache: str
+    constraint: Constraint | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -257,4 +267,5 @@ def resolve(
         stream_mode=p.stream_mode,
         suppress_eos=p.suppress_eos,
         cache=p.cache,
+        constraint=parse_constraint({k: getattr(p, k) for k in CONSTRAINT_KEYS}),
     )

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from .decoding import DreamSchedule, llada_block_schedule
 from .sampling_params import ResolvedParams
+
+if TYPE_CHECKING:
+    from .decoding.constraints import RowConstraint
 
 
 class Sequence:
@@ -51,6 +55,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
+        self.constraint: RowConstraint | None = None  # grammar matcher (decoding/constraints)
         self._llada_schedule = llada_block_schedule(params.block_length, params.steps_per_block)
         self._dream_schedule = DreamSchedule(params.steps_per_block)
 

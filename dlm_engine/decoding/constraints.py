@@ -1,0 +1,200 @@
+"""Constrained rows in a denoising step: the left-to-right rule (docs/architecture.md).
+
+A grammar matcher reads left to right; a diffusion model commits out of order. The rule: a
+constrained row commits only the leftmost masked positions of its window (every left
+neighbour already committed), as many as its algorithm would commit this step (its schedule's
+k, or, in threshold mode, while the chosen token's probability under the grammar-masked
+distribution is at least τ, at least one), choosing each token among those the matcher allows
+after the tokens before it. The committed canvas is therefore always a prefix the matcher has
+accepted; once the structure is complete only end-of-text is allowed, which ends the row.
+
+Work split: the first position's allowed-token bitmask depends only on the prefix committed
+before the step, so it is filled on the CPU while the GPU runs the forward; later positions
+need the token just chosen (one small device-to-host copy per position). Rows without a
+constraint are never touched here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+import llguidance.torch as llt
+import numpy as np
+import torch
+
+from ..reference import top_k_logits, top_p_logits
+
+if TYPE_CHECKING:
+    from ..sequence import Sequence
+
+# Tokens whose text only closes a structure; preferred in the last part of the canvas.
+_CLOSING_CHARS = frozenset('"}])')
+
+
+class RowConstraint:
+    """One request's matcher plus how much of its canvas is reserved for closing."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, max_tokens: int) -> None:
+        self.matcher = matcher
+        # In the last quarter of the canvas the row prefers tokens that close the structure
+        # (end-of-text, then `"`, `}`, `]`), among those the grammar allows: a model that
+        # has not learned to close a string or an object still finishes inside its budget.
+        self.reserve = max(8, max_tokens // 4)
+
+    def consume(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"grammar matcher rejected token {token}: {self.matcher.get_error()}")
+
+
+class ConstraintRuntime:
+    """Per-model state shared by all constrained rows: vocabulary size, stop ids, the closing
+    preference vector on the device."""
+
+    def __init__(
+        self, tokenizer: Any, model_vocab: int, stop_ids: frozenset[int], eos_id: int, device
+    ) -> None:
+        self.vocab = model_vocab
+        self.eos_id = eos_id
+        self.stop_ids = sorted(stop_ids | {eos_id})
+        self.device = device
+        texts = tokenizer.batch_decode([[i] for i in range(min(len(tokenizer), model_vocab))])
+        bonus = torch.zeros(model_vocab, dtype=torch.float32)
+        for i, t in enumerate(texts):
+            s = t.strip()
+            if s and set(s) <= _CLOSING_CHARS:
+                bonus[i] = 1e4
+        bonus[self.stop_ids] = 2e4
+        self.closing_bonus = bonus.to(device)
+
+
+@dataclass
+class _Row:
+    index: int  # row in the batch
+    seq: Sequence
+    first: int  # window position of the leftmost masked token
+    budget: int  # positions it may commit this step (threshold rows: all masked ones)
+    threshold: float | None
+    done: bool = False
+
+
+class ConstrainedStep:
+    """The constrained rows of one step: masks prepared early, tokens chosen in order."""
+
+    def __init__(self, runtime: ConstraintRuntime, seqs: list[Sequence]) -> None:
+        self.rt = runtime
+        self.rows: list[_Row] = []
+        for i, s in enumerate(seqs):
+            if s.constraint is None:
+                continue
+            first = s.window_width - s.masks_in_block
+            if s.uses_threshold:
+                budget, thr = s.masks_in_block, s.params.threshold
+            elif s.params.algorithm == "origin":
+                budget = max(1, round(s.masks_in_block * s.origin_probability()))
+                thr = None
+            else:
+                budget, thr = min(s.transfer_count(), s.masks_in_block), None
+            self.rows.append(_Row(i, s, first, budget, thr))
+        self.bitmask = llt.allocate_token_bitmask(max(1, len(self.rows)), runtime.vocab)
+        self._filled = False
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+    def prepare(self) -> None:
+        """Fill the first position's masks (CPU); call right after the forward is queued."""
+        self._fill([r for r in self.rows if r.budget > 0])
+        self._filled = True
+
+    def _fill(self, rows: list[_Row]) -> None:
+        for slot, r in enumerate(rows):
+            llt.fill_next_token_bitmask(r.seq.constraint.matcher, self.bitmask, slot)
+            self._allow_all_stops(slot)
+
+    def _allow_all_stops(self, slot: int) -> None:
+        """The matcher allows "end" as the tokenizer's EOS; any stop id of the model ends."""
+        words = self.bitmask.numpy().view(np.uint32)[slot]
+        eos = self.rt.eos_id
+        if words[eos // 32] >> np.uint32(eos % 32) & 1:
+            for t in self.rt.stop_ids:
+                words[t // 32] |= np.uint32(1 << (t % 32))
+
+    def commit(self, logits: torch.Tensor, current: torch.Tensor) -> dict[int, list[int]]:
+        """Choose and consume each constrained row's tokens; returns {batch row: tokens} to
+        write from the row's leftmost masked position. Reads `logits` before any in-place
+        change by the proposal functions."""
+        out: dict[int, list[int]] = {r.index: [] for r in self.rows}
+        j = 0
+        while True:
+            active = [r for r in self.rows if not r.done and j < r.budget]
+            if not active:
+                return out
+            if j > 0 or not self._filled:
+                self._fill(active)
+            tokens, probs = self._choose(logits, active, j)
+            for slot, r in enumerate(active):
+                tok, p = tokens[slot], probs[slot]
+                if j > 0 and r.threshold is not None and p < r.threshold:
+                    r.done = True
+                    continue
+                r.seq.constraint.consume(tok)
+                out[r.index].append(tok)
+                if tok in self.rt.stop_ids:
+                    r.done = True
+            j += 1
+
+    def _choose(
+        self, logits: torch.Tensor, active: list[_Row], j: int
+    ) -> tuple[list[int], list[float]]:
+        dev = logits.device
+        n = len(active)
+        rows_t = torch.tensor([r.index for r in active], device=dev)
+        pos_t = torch.tensor([r.first + j for r in active], device=dev)
+        lg = logits[rows_t, pos_t].float()
+        temps = [r.seq.params.temperature for r in active]
+        if any(t > 0 for t in temps):
+            lg = lg / torch.tensor([t if t > 0 else 1.0 for t in temps], device=dev)[:, None]
+        llt.apply_token_bitmask_inplace(lg, self.bitmask[:n].to(dev, non_blocking=True))
+        closing = [
+            r.seq.params.max_tokens - (r.seq.block * r.seq.params.block_length + r.first + j)
+            <= r.seq.constraint.reserve
+            for r in active
+        ]
+        if any(closing):
+            sel = torch.tensor([i for i, c in enumerate(closing) if c], device=dev)
+            lg[sel] = lg[sel] + self.rt.closing_bonus[None, : lg.shape[1]]
+        tok = lg.argmax(dim=-1)
+        for slot, r in enumerate(active):
+            p = r.seq.params
+            if p.temperature > 0 and not closing[slot]:
+                row = lg[slot]
+                if p.top_p is not None and p.top_p < 1:
+                    row = top_p_logits(row, p.top_p)
+                if p.top_k is not None:
+                    row = top_k_logits(row, p.top_k)
+                tok[slot] = torch.multinomial(
+                    torch.softmax(row, -1), 1, generator=r.seq.generator
+                ).squeeze(-1)
+        prob = torch.softmax(lg, -1).gather(-1, tok[:, None]).squeeze(-1)
+        return tok.tolist(), prob.tolist()
+
+    def write(
+        self, new: torch.Tensor, current: torch.Tensor, forced: dict[int, list[int]]
+    ) -> torch.Tensor:
+        """Replace the constrained rows' commits in `new` [B, K] by their in-order tokens."""
+        rows, cols, vals = [], [], []
+        for r in self.rows:
+            toks = forced.get(r.index, [])
+            rows += [r.index] * len(toks)
+            cols += range(r.first, r.first + len(toks))
+            vals += toks
+        dev = new.device
+        sel = torch.tensor([r.index for r in self.rows], device=dev)
+        new[sel] = current[sel]
+        if vals:
+            new[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(
+                vals, device=dev, dtype=new.dtype
+            )
+        return new
