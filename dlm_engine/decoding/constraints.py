@@ -39,7 +39,7 @@ class RowConstraint:
     def __init__(self, matcher: llguidance.LLMatcher, max_tokens: int) -> None:
         self.matcher = matcher
         # In the last quarter of the canvas the row prefers tokens that close the structure
-        # (end-of-text, then `"`, `}`, `]`), among those the grammar allows: a model that
+        # (end-of-text, then `"`, `}`, `]`, then `,`), among those the grammar allows: a model that
         # has not learned to close a string or an object still finishes inside its budget.
         self.reserve = max(8, max_tokens // 4)
 
@@ -65,6 +65,8 @@ class ConstraintRuntime:
             s = t.strip()
             if s and set(s) <= _CLOSING_CHARS:
                 bonus[i] = 1e4
+            elif s and set(s) <= _CLOSING_CHARS | {","}:
+                bonus[i] = 5e3  # ends a number or a value, where nothing closes yet
         bonus[self.stop_ids] = 2e4
         self.closing_bonus = bonus.to(device)
 
@@ -139,10 +141,11 @@ class ConstrainedStep:
                 if j > 0 and r.threshold is not None and p < r.threshold:
                     r.done = True
                     continue
-                r.seq.constraint.consume(tok)
                 out[r.index].append(tok)
-                if tok in self.rt.stop_ids:
+                if tok in self.rt.stop_ids:  # allowed only where the structure may end
                     r.done = True
+                else:
+                    r.seq.constraint.consume(tok)
             j += 1
 
     def _choose(
