@@ -148,10 +148,10 @@ class Engine:
         return self.structured.check(
             resolve(
                 params,
-            family=self.family.name,
-            default_algorithm=self.family.default_algorithm,
-            uses_blocks=self.family.uses_blocks_by_default,
-            max_canvas=self.config.max_canvas,
+                family=self.family.name,
+                default_algorithm=self.family.default_algorithm,
+                uses_blocks=self.family.uses_blocks_by_default,
+                max_canvas=self.config.max_canvas,
                 default_max_tokens=self.config.default_max_tokens,
             )
         )

@@ -305,7 +305,9 @@ class ModelRunner:
             device=dev,
             dtype=torch.float64,
         )
-        constrained = ConstrainedStep(self.constraint_runtime, seqs) if self.constraint_runtime else None
+        constrained = (
+            ConstrainedStep(self.constraint_runtime, seqs) if self.constraint_runtime else None
+        )
         logits, current = self._window_logits(seqs)
         if constrained:  # grammar rows: masks on the CPU while the forward runs, then in order
             constrained.prepare()

@@ -45,7 +45,9 @@ class RowConstraint:
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            raise RuntimeError(f"grammar matcher rejected token {token}: {self.matcher.get_error()}")
+            raise RuntimeError(
+                f"grammar matcher rejected token {token}: {self.matcher.get_error()}"
+            )
 
 
 class ConstraintRuntime:

@@ -75,7 +75,9 @@ def parse_constraint(raw: dict[str, Any]) -> Constraint | None:
             return _choice(value)
         if not isinstance(value, str) or not value.strip():
             raise InvalidRequestError("grammar", "must be a non-empty Lark or GBNF string")
-        return Constraint("grammar", "grammar", llguidance.LLMatcher.grammar_from_lark(_lark(value)))
+        return Constraint(
+            "grammar", "grammar", llguidance.LLMatcher.grammar_from_lark(_lark(value))
+        )
     except InvalidRequestError:
         raise
     except Exception as exc:  # llguidance's own message names what it could not compile
@@ -91,11 +93,7 @@ def _lark(text: str) -> str:
 
 
 def _choice(value: Any) -> Constraint:
-    if (
-        not isinstance(value, list)
-        or not value
-        or not all(isinstance(c, str) and c for c in value)
-    ):
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
         raise InvalidRequestError("choice", "must be a non-empty list of non-empty strings")
     body = " | ".join(json.dumps(c) for c in value)
     return Constraint("choice", "choice", llguidance.LLMatcher.grammar_from_lark(f"start: {body}"))
@@ -113,9 +111,7 @@ def _response_format(value: Any) -> Constraint | None:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)
         return Constraint(field, "json_object", grammar, schema)
     if kind != "json_schema":
-        raise InvalidRequestError(
-            f"{field}.type", "must be one of text, json_object, json_schema"
-        )
+        raise InvalidRequestError(f"{field}.type", "must be one of text, json_object, json_schema")
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
         raise InvalidRequestError(f"{field}.json_schema", "must be an object")

@@ -118,10 +118,15 @@ BAD = [
         "response_format.json_schema.schema",
     ),
     (
-        dict(response_format=_schema_format({"type": "object", "properties": {"a": {"type": "x"}}})),
+        dict(
+            response_format=_schema_format({"type": "object", "properties": {"a": {"type": "x"}}})
+        ),
         "response_format.json_schema.schema",
     ),
-    (dict(response_format=_schema_format({"$ref": "#/nowhere"})), "response_format.json_schema.schema"),
+    (
+        dict(response_format=_schema_format({"$ref": "#/nowhere"})),
+        "response_format.json_schema.schema",
+    ),
     (dict(regex="([a-z"), "regex"),
     (dict(regex=""), "regex"),
     (dict(choice=[]), "choice"),
