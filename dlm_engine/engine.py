@@ -150,6 +150,7 @@ class Engine:
             uses_blocks=self.family.uses_blocks_by_default,
             max_canvas=self.config.max_canvas,
             default_max_tokens=self.config.default_max_tokens,
+            model_defaults=self.loaded.decoding_defaults,
         )
 
     def add_request(

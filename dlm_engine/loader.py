@@ -7,7 +7,7 @@ with or without an index, tokenizer files) and never executes checkpoint code.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from .decoding.checkpoint_defaults import decoding_defaults
 from .models import LLADA, Family, build_model, detect_family
 from .quantization import quantize_linears
 
@@ -43,6 +44,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     path: Path
+    decoding_defaults: dict[str, Any] = field(default_factory=dict)  # e.g. d3LLM's
 
 
 def resolve_dtype(name: str, config: dict[str, Any]) -> torch.dtype:
@@ -180,5 +182,15 @@ def load_checkpoint(
     if family is LLADA and "mask_token_id" not in config and mask_id != 126336:
         raise ValueError("LLaDA checkpoint without mask_token_id")
     return LoadedModel(
-        model, family, config, tok, mask_id, eos_id, stop_ids, torch_dtype, dev, path
+        model,
+        family,
+        config,
+        tok,
+        mask_id,
+        eos_id,
+        stop_ids,
+        torch_dtype,
+        dev,
+        path,
+        decoding_defaults(path, family.name, config, gen),
     )
