@@ -57,6 +57,11 @@ def _generate_parser(sub: Any) -> None:
     p.add_argument("--block-length", type=int)
     p.add_argument("--algorithm")
     p.add_argument("--threshold", type=float)
+    p.add_argument("--factor", type=float, help="Fast-dLLM factor rule (LLaDA)")
+    p.add_argument("--local-leap", dest="use_local_leap", action="store_const", const=True,
+                   help="LocalLeap anchor propagation (LLaDA)")  # fmt: skip
+    p.add_argument("--multi-block", dest="multi_block", action="store_const", const=True,
+                   help="d3LLM multi-block decoding (entropy threshold by default)")  # fmt: skip
     p.add_argument("--temperature", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--param", action="append", default=[], metavar="KEY=JSON",
@@ -116,7 +121,18 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("max_tokens", "steps", "block_length", "algorithm", "threshold", "temperature", "seed")
+    keys = (
+        "max_tokens",
+        "steps",
+        "block_length",
+        "algorithm",
+        "threshold",
+        "temperature",
+        "seed",
+        "factor",
+        "use_local_leap",
+        "multi_block",
+    )
     sampling = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     for item in args.param:
         key, _, value = item.partition("=")

@@ -76,6 +76,9 @@ MODELS = [
     ModelSpec("llada-8b-instruct", "GSAI-ML/LLaDA-8B-Instruct", dtype="bfloat16"),
     ModelSpec("llada-1.5", "GSAI-ML/LLaDA-1.5", dtype="bfloat16"),
     ModelSpec("dream-v0-instruct-7b", "Dream-org/Dream-v0-Instruct-7B", dtype="bfloat16"),
+    # d3LLM (issue 15): LLaDA / Dream layouts; multi-block decoding is their default
+    ModelSpec("d3llm-llada", "d3LLM/d3LLM_LLaDA", dtype="bfloat16"),
+    ModelSpec("d3llm-dream", "d3LLM/d3LLM_Dream", dtype="bfloat16"),
 ]
 
 

@@ -22,7 +22,16 @@ from pydantic import (
 from pydantic.json_schema import SkipJsonSchema
 
 Algorithm = Literal[
-    "low_confidence", "random", "origin", "maskgit_plus", "topk_margin", "entropy", "threshold"
+    "low_confidence",
+    "random",
+    "origin",
+    "maskgit_plus",
+    "topk_margin",
+    "entropy",
+    "threshold",
+    "local_leap",
+    "entropy_threshold",
+    "factor",
 ]
 StreamMode = Literal["delta", "denoise"]
 CacheMode = Literal["none", "prefix", "dual"]
@@ -33,6 +42,10 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "steps": ("steps", "num_denoising_steps", "diffusion_steps"),
     "algorithm": ("algorithm", "remasking", "alg"),
     "block_length": ("block_length", "block_size"),
+    # dlmserve's LocalLeap fields (issue 15)
+    "anchor_threshold": ("anchor_threshold", "local_leap_anchor_threshold"),
+    "neighbor_threshold": ("neighbor_threshold", "local_leap_neighbor_threshold"),
+    "leap_radius": ("leap_radius", "local_leap_radius"),
 }
 
 # OpenAI fields we know but cannot honour. Value = the neutral values accepted silently.
@@ -62,6 +75,20 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
 }
 
+# issue 15: accelerated decoding keys (validated by the engine, forwarded as they are)
+ACCELERATION_KEYS = (
+    "factor",
+    "anchor_threshold",
+    "neighbor_threshold",
+    "leap_radius",
+    "multi_block",
+    "block_add_threshold",
+    "decoded_token_threshold",
+    "max_active_blocks",
+    "use_local_leap",
+    "force_single_batch",
+)
+
 # Diffusion keys forwarded to Triton's `sampling_parameters` JSON as they are.
 DIFFUSION_KEYS = (
     "steps",
@@ -73,6 +100,7 @@ DIFFUSION_KEYS = (
     "stream_mode",
     "suppress_eos",
     "cache",
+    *ACCELERATION_KEYS,
 )
 
 _Unsupported = SkipJsonSchema[Any]
@@ -148,9 +176,49 @@ class _RequestBase(BaseModel):
     threshold: float | None = Field(
         None,
         gt=0.0,
-        le=1.0,
+        le=20.0,
         description="Confidence threshold in (0, 1]: commit every masked position of the "
-        "active block whose confidence is at least this (at least one per step).",
+        "active block whose confidence is at least this (at least one per step). With "
+        "algorithm entropy_threshold / multi_block: the entropy bound in nats (d3LLM).",
+    )
+    # issue 15: accelerated decoding (docs/api.md); the engine checks ranges and combinations
+    factor: float | None = Field(None, gt=0.0, description="Fast-dLLM factor rule (LLaDA).")
+    anchor_threshold: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        validation_alias=AliasChoices(*ALIASES["anchor_threshold"]),
+        description="LocalLeap anchor confidence kappa (default 0.9).",
+    )
+    neighbor_threshold: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        validation_alias=AliasChoices(*ALIASES["neighbor_threshold"]),
+        description="LocalLeap neighbour confidence tau (default 0.75).",
+    )
+    leap_radius: int | None = Field(
+        None,
+        ge=1,
+        le=16,
+        validation_alias=AliasChoices(*ALIASES["leap_radius"]),
+        description="LocalLeap window W (default 4).",
+    )
+    multi_block: bool | None = Field(
+        None, description="d3LLM multi-block decoding: several blocks in flight."
+    )
+    block_add_threshold: float | None = Field(
+        None, ge=0.0, le=1.0, description="multi_block: add a block at this progress (0.1)."
+    )
+    decoded_token_threshold: float | None = Field(
+        None, ge=0.0, le=1.0, description="multi_block: activate a block at this progress (0.95)."
+    )
+    max_active_blocks: int | None = Field(
+        None, ge=1, description="multi_block: at most this many blocks in flight."
+    )
+    use_local_leap: bool | None = Field(None, description="dlmserve: true selects local_leap.")
+    force_single_batch: bool | None = Field(
+        None, description="dlmserve: accepted and unnecessary (batching never changes tokens)."
     )
     alg_temp: float | None = Field(
         None, ge=0.0, description="Dream: temperature for sampling positions, >= 0."

@@ -11,7 +11,8 @@ blocks of 32. So:
 1. decoding keys a generation config does carry under d3LLM's names (`threshold`,
    `block_add_threshold`, `decoded_token_threshold`, `block_size`, `alg: entropy_threshold`,
    `multi_block`) are used as the model's defaults;
-2. a d3LLM checkpoint (its model card tags `d3llm`, or its config names d3LLM) gets the
+2. a d3LLM checkpoint (its model card tags `d3llm`, or its config or directory names d3LLM)
+   gets the
    published settings above for whatever (1) left unset.
 A request's own keys always win (see `sampling_params.apply_model_defaults`).
 """
@@ -38,10 +39,10 @@ _GEN_KEYS = {
 
 
 def is_d3llm(path: Path, config: dict[str, Any]) -> bool:
-    """The model card's tags (README.md front matter) or the config name d3LLM."""
+    """The model card's tags (README.md front matter), the config or the directory name d3LLM."""
     name = str(config.get("_name_or_path", ""))
-    if "d3llm" in name.lower():
-        return True
+    if "d3llm" in name.lower() or any("d3llm" in part.lower() for part in path.parts[-4:]):
+        return True  # e.g. /ckpt/d3LLM_LLaDA, or the Hub cache's models--d3LLM--d3LLM_Dream
     card = path / "README.md"
     if not card.exists():
         return False

@@ -156,7 +156,7 @@ def test_openapi_documents_diffusion_fields(client: TestClient) -> None:
         assert name in props, name
         assert props[name].get("description"), name
     threshold = next(s for s in props["threshold"]["anyOf"] if s.get("type") == "number")
-    assert threshold["exclusiveMinimum"] == 0 and threshold["maximum"] == 1
+    assert threshold["exclusiveMinimum"] == 0 and threshold["maximum"] == 20
     algorithms = next(s for s in props["algorithm"]["anyOf"] if "enum" in s)["enum"]
     assert "low_confidence" in algorithms and "entropy" in algorithms
     assert "logprobs" not in props  # rejected fields are not advertised
