@@ -343,7 +343,7 @@ def d3llm_multi_block_generate(
         end=p_len + block_size,
         masks=block_size,
         total=block_size,
-        active=1.0 >= decoded_token_threshold,
+        active=decoded_token_threshold <= 1.0,
     )
     next_id = 2
 
@@ -355,9 +355,9 @@ def d3llm_multi_block_generate(
         if not mask_index[:, p_len:].any() and next_id > num_blocks:
             break
         for bid in sorted(blocks):
-            if bid > 0 and not blocks[bid]["active"]:
-                if progress(blocks[bid - 1]) >= decoded_token_threshold:
-                    blocks[bid]["active"] = True
+            prev_done = bid > 0 and progress(blocks[bid - 1]) >= decoded_token_threshold
+            if prev_done and not blocks[bid]["active"]:
+                blocks[bid]["active"] = True
         if next_id <= num_blocks:
             last = blocks[max(blocks)]
             if progress(last) >= block_add_threshold or last["masks"] == 0:

@@ -242,9 +242,7 @@ def resolve(
         raise InvalidRequestError(
             "steps", f"must be divisible by the number of blocks ({max_tokens // block})"
         )
-    algorithm = pick_algorithm(p) or (
-        "threshold" if p.threshold is not None else default_algorithm
-    )
+    algorithm = pick_algorithm(p) or ("threshold" if p.threshold is not None else default_algorithm)
     if algorithm not in ALGORITHMS:
         raise InvalidRequestError("algorithm", f"must be one of {', '.join(ALGORITHMS)}")
     if algorithm == "origin" and family != "dream":

@@ -131,9 +131,7 @@ class CommitPlan:
             score[self.leap] = leap_conf.to(torch.float64)
         score = score.masked_fill(~selectable, -torch.inf)
         order = score.argsort(dim=1, descending=True, stable=True)
-        ranks = torch.empty_like(order).scatter_(
-            1, order, torch.arange(w, device=dev).expand(b, w)
-        )
+        ranks = torch.empty_like(order).scatter_(1, order, torch.arange(w, device=dev).expand(b, w))
         best = ranks == 0
         code = self.code[:, None]
         chosen = torch.where(code == RANK, ranks < self.k[:, None], best)
@@ -174,9 +172,7 @@ class CommitPlan:
         w = conf.shape[1]
         pos = torch.arange(w, device=conf.device)
         dist = (pos[:, None] - pos[None, :]).abs()  # [W, W]
-        near = (
-            (dist[None] <= self.radius[sel, None, None]) & strong[:, None, :]
-        ).any(dim=-1)
+        near = ((dist[None] <= self.radius[sel, None, None]) & strong[:, None, :]).any(dim=-1)
         neighbours = near & (conf >= self.neighbor[sel, None].to(conf.dtype))
         return anchors | neighbours
 

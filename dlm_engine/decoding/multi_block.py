@@ -40,7 +40,7 @@ class MultiBlockState:
         self.activate_at = accel.decoded_token_threshold
         self.cap = accel.max_active_blocks
         # block 1 follows the prompt (progress 1.0)
-        self.blocks = [Block(0, block, block, 1.0 >= self.activate_at)]
+        self.blocks = [Block(0, block, block, self.activate_at <= 1.0)]
         self.prepare()
 
     def _progress_before(self, i: int) -> float:

@@ -43,9 +43,9 @@ def _ref(engine: Engine, fn, prompt: list[int], **kw) -> list[int]:
 
 
 def _check(engine: Engine, params: dict, fn, **ref_kw) -> float:
-    """Engine == reference on two prompts; returns the mean tokens per forward."""
+    """Engine == reference on three prompts; returns the mean tokens per forward."""
     tpf = []
-    for text in PROMPTS[:2]:
+    for text in PROMPTS[:3]:
         prompt = _chat(engine, text)
         out = engine.generate([prompt], dict(params, temperature=0.0))[0]
         assert out.token_ids == _ref(engine, fn, prompt, **ref_kw), (params, text)
@@ -54,9 +54,7 @@ def _check(engine: Engine, params: dict, fn, **ref_kw) -> float:
     return sum(tpf) / max(1, len(tpf))
 
 
-@pytest.mark.parametrize(
-    ("max_tokens", "block", "factor"), [(32, 8, 1.0), (24, 8, 3.0)]
-)
+@pytest.mark.parametrize(("max_tokens", "block", "factor"), [(32, 8, 1.0), (24, 8, 3.0)])
 def test_factor_equals_fast_dllm(engines, max_tokens, block, factor) -> None:
     eng = engines["llada"]
     params = dict(max_tokens=max_tokens, block_length=block, algorithm="factor", factor=factor)
@@ -65,7 +63,7 @@ def test_factor_equals_fast_dllm(engines, max_tokens, block, factor) -> None:
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
-@pytest.mark.parametrize(("block", "tau"), [(8, 0.5), (16, 2.5)])
+@pytest.mark.parametrize(("block", "tau"), [(8, 0.5), (16, 2.5), (32, 3.5)])
 def test_entropy_threshold_equals_d3llm(engines, family, block, tau) -> None:
     eng = engines[family]
     params = dict(max_tokens=32, block_length=block, algorithm="entropy_threshold", threshold=tau)
@@ -73,11 +71,17 @@ def test_entropy_threshold_equals_d3llm(engines, family, block, tau) -> None:
            block_length=block, threshold=tau)  # fmt: skip
 
 
-LEAP_CASES = [
+LEAP_CASES = [  # dlmserve's defaults (0.9 / 0.75 / 4) rarely fire on random weights
     dict(max_tokens=32, steps=32, block_length=8),
     dict(max_tokens=32, steps=16, block_length=16, anchor_threshold=0.3, neighbor_threshold=0.2),
-    dict(max_tokens=24, steps=12, block_length=8, anchor_threshold=0.2, neighbor_threshold=0.1,
-         leap_radius=2),  # fmt: skip
+    dict(
+        max_tokens=24,
+        steps=12,
+        block_length=8,
+        anchor_threshold=0.2,
+        neighbor_threshold=0.1,
+        leap_radius=2,
+    ),  # fmt: skip
 ]
 
 
@@ -100,10 +104,20 @@ def test_local_leap_equals_dlmserve(engines) -> None:
 
 MULTI_CASES = [
     dict(max_tokens=64, block_length=8, threshold=0.5),
-    dict(max_tokens=64, block_length=16, threshold=2.5, block_add_threshold=0.5,
-         decoded_token_threshold=0.5),  # fmt: skip
-    dict(max_tokens=48, block_length=8, threshold=3.0, block_add_threshold=0.0,
-         decoded_token_threshold=1.0),  # fmt: skip
+    dict(
+        max_tokens=64,
+        block_length=16,
+        threshold=2.5,
+        block_add_threshold=0.5,
+        decoded_token_threshold=0.5,
+    ),  # fmt: skip
+    dict(
+        max_tokens=48,
+        block_length=8,
+        threshold=3.0,
+        block_add_threshold=0.0,
+        decoded_token_threshold=1.0,
+    ),  # fmt: skip
 ]
 
 
@@ -132,26 +146,43 @@ def _key(o: RequestOutput) -> tuple:
 MIXED = {
     "llada": [
         dict(max_tokens=32, steps=32, block_length=8),
-        dict(max_tokens=64, block_length=8, multi_block=True, threshold=2.5),
-        dict(max_tokens=32, block_length=8, algorithm="factor", factor=2.0),
-        dict(max_tokens=24, steps=12, block_length=8, use_local_leap=True,
-             anchor_threshold=0.2, neighbor_threshold=0.1),  # fmt: skip
+        dict(max_tokens=32, block_length=8, multi_block=True, threshold=2.5),
+        dict(max_tokens=24, block_length=8, algorithm="factor", factor=2.0),
+        dict(
+            max_tokens=24,
+            steps=12,
+            block_length=8,
+            use_local_leap=True,
+            anchor_threshold=0.2,
+            neighbor_threshold=0.1,
+        ),  # fmt: skip
         dict(max_tokens=32, block_length=16, algorithm="entropy_threshold", threshold=2.0),
         dict(max_tokens=32, steps=16, block_length=8, cache="dual"),
         dict(max_tokens=32, block_length=8, algorithm="factor", cache="prefix"),
-        dict(max_tokens=48, block_length=16, multi_block=True, algorithm="factor",
-             block_add_threshold=0.3, max_active_blocks=2),  # fmt: skip
+        dict(
+            max_tokens=32,
+            block_length=8,
+            multi_block=True,
+            algorithm="factor",
+            block_add_threshold=0.3,
+            max_active_blocks=2,
+        ),  # fmt: skip
         dict(max_tokens=32, algorithm="threshold", threshold=0.3, multi_block=True, block_length=8),
         dict(max_tokens=16, steps=8, block_length=4, cfg_scale=1.0),
     ],
     "dream": [
         dict(max_tokens=32, steps=32),
-        dict(max_tokens=64, block_length=16, multi_block=True, threshold=2.0),
+        dict(max_tokens=32, block_length=8, multi_block=True, threshold=2.0),
         dict(max_tokens=32, block_length=8, algorithm="entropy_threshold", threshold=2.5),
         dict(max_tokens=32, steps=16, block_length=8, cache="prefix"),
         dict(max_tokens=32, threshold=0.3),
-        dict(max_tokens=48, block_length=8, multi_block=True, threshold=1.0,
-             decoded_token_threshold=0.5),  # fmt: skip
+        dict(
+            max_tokens=24,
+            block_length=8,
+            multi_block=True,
+            threshold=1.0,
+            decoded_token_threshold=0.5,
+        ),  # fmt: skip
     ],
 }
 
@@ -209,8 +240,14 @@ def test_llada_only_rules_rejected_on_dream(engines) -> None:
 def test_seed_aliases(engines) -> None:
     eng = engines["llada"]
     r = eng.resolve_params(
-        dict(use_local_leap=True, local_leap_anchor_threshold=0.8, local_leap_neighbor_threshold=0.6,
-             local_leap_radius=3, force_single_batch=True, max_tokens=32)  # fmt: skip
+        dict(
+            use_local_leap=True,
+            local_leap_anchor_threshold=0.8,
+            local_leap_neighbor_threshold=0.6,
+            local_leap_radius=3,
+            force_single_batch=True,
+            max_tokens=32,
+        )  # fmt: skip
     )
     assert r.algorithm == "local_leap"
     assert (r.accel.anchor_threshold, r.accel.neighbor_threshold, r.accel.leap_radius) == (
@@ -244,8 +281,8 @@ def test_d3llm_checkpoint_defaults_to_its_published_decoding(d3llm, family, tau)
     # a request's own rule wins over the checkpoint's
     assert eng.resolve_params(dict(algorithm="low_confidence")).accel.multi_block is False
     prompt = _chat(eng, PROMPTS[0])
-    out = eng.generate([prompt], dict(max_tokens=64))[0]
-    ref = _ref(eng, d3llm_multi_block_generate, prompt, family=family, gen_length=64,
-               block_size=32, threshold=tau, block_add_threshold=0.1,
+    out = eng.generate([prompt], dict(max_tokens=32, block_length=8))[0]
+    ref = _ref(eng, d3llm_multi_block_generate, prompt, family=family, gen_length=32,
+               block_size=8, threshold=tau, block_add_threshold=0.1,
                decoded_token_threshold=0.95)  # fmt: skip
     assert out.token_ids == ref
