@@ -76,7 +76,9 @@ class RoundResult:
 
 
 # ---- arrival processes -------------------------------------------------------------------
-def arrival_times(spec: str, n: int, saturated_rps: float | None, rng: random.Random) -> list[float]:
+def arrival_times(
+    spec: str, n: int, saturated_rps: float | None, rng: random.Random
+) -> list[float]:
     """Seconds from the start at which each of n requests arrives."""
     kind, *args = spec.split(":")
     if kind == "all":
