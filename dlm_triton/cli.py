@@ -19,6 +19,9 @@ def _serve_parser(sub: Any) -> None:
         help=f"checkpoint directory, hub id, or name in model_repository/ (default {DEFAULT_MODEL})",
     )
     p.add_argument("--model-name", help="Triton model name for a checkpoint directory")
+    p.add_argument(
+        "--revision", help="Hub branch, tag or commit of a Hub id (pin a commit in production)"
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument(
         "--dtype", help="auto (the checkpoint's torch_dtype), bfloat16, float16, float32"
@@ -79,6 +82,7 @@ def serve(args: argparse.Namespace) -> int:
             "max_rows": args.max_rows,
             "max_canvas": args.max_canvas,
             "max_prompt": args.max_prompt,
+            "revision": args.revision,
         }.items()
         if v is not None
     }
@@ -106,6 +110,9 @@ def serve(args: argparse.Namespace) -> int:
     except StartAborted as exc:
         print(f"{exc}; stopped", file=sys.stderr)
         return 0
+    except (FileNotFoundError, ValueError) as exc:  # no such model/checkpoint, corrupt shard
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"ready: {server.describe()}", flush=True)
     print(
         f"try: dlm-triton generate 'Hello' --model {server.model_name} "

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dlm_triton import model_repo
+from dlm_triton.checkpoint_fetch import fetch_checkpoint
 from dlm_triton.procs import (
     alive,
     cmdline,
@@ -230,6 +231,11 @@ class TritonServerProcess:
         """Start the server, wait until the model is ready, then start the proxy."""
         self.dist = self.dist or find_server()
         self.choice = self._choose_model()
+        try:  # a Hub id is downloaded here, with progress on this terminal
+            self.choice.env.update(fetch_checkpoint(self.choice.repository, self.choice.name))
+        except BaseException:
+            self.stop()
+            raise
         config_name = model_repo.CPU_CONFIG_NAME if self.device == "cpu" else None
         cmd = self.dist.command(
             self.choice.repository,
