@@ -145,6 +145,7 @@ def _snapshot(repo_id: str, revision: str | None, env: Mapping[str, str]) -> Pat
             cache_dir=str(cache),
             local_files_only=offline,
             token=hub_token(env),
+            endpoint=env.get("HF_ENDPOINT") or None,  # a mirror, read now (not at import)
         )
     except GatedRepoError as exc:
         raise CheckpointNotFoundError(
