@@ -84,7 +84,10 @@ def hub_token(environ: Mapping[str, str] | None = None) -> str | None:
         return env["HF_TOKEN"].strip()
     path = env.get("HF_TOKEN_PATH")
     if path and Path(path).is_file():
-        token = Path(path).read_text().strip()
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as exc:  # a secret file this user (in the image: uid 1000) may not read
+            raise ValueError(f"cannot read the Hub token file {path}: {exc.strerror}") from exc
         return token or None
     return None
 

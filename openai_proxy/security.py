@@ -52,8 +52,12 @@ def read_key_file(path: str | Path) -> list[str]:
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"api_keys_file {str(file)!r} does not exist or is not a file")
+    try:
+        text = file.read_text()
+    except OSError as exc:  # e.g. a secret file the proxy's user (uid 10001) may not read
+        raise ValueError(f"cannot read api_keys_file {str(file)!r}: {exc.strerror}") from exc
     keys = []
-    for line in file.read_text().splitlines():
+    for line in text.splitlines():
         key = line.split("#", 1)[0].strip()
         if key:
             keys.append(key)
