@@ -113,6 +113,9 @@ def serve(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:  # no such model/checkpoint, corrupt shard
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (RuntimeError, TimeoutError) as exc:  # the server or the proxy did not come up
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"ready: {server.describe()}", flush=True)
     print(
         f"try: dlm-triton generate 'Hello' --model {server.model_name} "

@@ -323,7 +323,10 @@ class TritonServerProcess:
             if self.stop_requested.is_set():
                 raise StartAborted("stop requested while the proxy was starting")
             if self.proxy.poll() is not None:
-                raise RuntimeError(f"the OpenAI proxy exited with {self.proxy.returncode}")
+                where = self.log_path.with_suffix(".proxy.log") if self.log_path else "stderr"
+                raise RuntimeError(
+                    f"the OpenAI proxy exited with {self.proxy.returncode} (reason in {where})"
+                )
             if http_ok(f"http://127.0.0.1:{self.ports.proxy}/health") or http_ok(
                 f"http://127.0.0.1:{self.ports.proxy}/v1/models"
             ):
