@@ -171,3 +171,18 @@ def test_hub_errors_are_one_clear_line(hub: FakeHub) -> None:
         resolve_checkpoint(REPO, "v404")
     with pytest.raises(CheckpointNotFoundError, match="'test-org/absent' does not exist"):
         resolve_checkpoint("test-org/absent")
+
+
+def test_download_command_seeds_the_cache_for_offline_serving(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`dlm-triton download` on a connected host = the files `serve` needs offline later."""
+    from dlm_triton.cli import main
+
+    assert main(["download", REPO, "--revision", COMMIT]) == 0
+    folder = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    assert folder.name == COMMIT and hub.fetched() == {n for n in hub.files if n not in EXTRA_FILES}
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_checkpoint(REPO, COMMIT) == folder
+    assert main(["download", "tiny-dlm"]) == 2  # an embedded model: nothing to download
+    assert "names no Hub id" in capsys.readouterr().err
