@@ -9,7 +9,8 @@ from dataclasses import dataclass
 class EngineConfig:
     """Settings of one engine (one model on one device)."""
 
-    model: str
+    model: str  # a checkpoint directory, a Hub id (org/name), or random:<preset>
+    revision: str | None = None  # Hub branch, tag or commit for a Hub id (None: main)
     dtype: str = "auto"
     device: str = "cpu"
     quantization: str | None = None

@@ -30,7 +30,7 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.loaded = loaded or load_checkpoint(
-            config.model, config.dtype, config.device, config.quantization
+            config.model, config.dtype, config.device, config.quantization, config.revision
         )
         lm = self.loaded
         self.family = lm.family
