@@ -14,6 +14,7 @@ from pathlib import Path
 # parameter key -> env var that overrides it
 ENV_OVERRIDES = {
     "checkpoint": "DLM_CHECKPOINT",
+    "revision": "DLM_REVISION",
     "dtype": "DLM_DTYPE",
     "device": "DLM_DEVICE",
     "quantization": "DLM_QUANTIZATION",
@@ -28,6 +29,7 @@ ASSETS_DIR = Path(__file__).resolve().parent.parent / "dlm_engine" / "assets"
 @dataclass
 class InstanceSettings:
     checkpoint: str
+    revision: str | None = None  # Hub revision when checkpoint is a Hub id
     dtype: str = "auto"
     device: str = "cpu"
     quantization: str = "none"
@@ -85,6 +87,7 @@ def resolve_settings(
                 ) from exc
     return InstanceSettings(
         checkpoint=resolve_checkpoint(merged["checkpoint"], model_dir),
+        revision=merged.get("revision") or None,
         dtype=merged.get("dtype", "auto"),
         device=device,
         quantization=merged.get("quantization", "none"),

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import __name__ as _pkg
+from . import security
 from .config import ProxyConfig
 from .converters import (
     ChoiceResult,
@@ -368,11 +369,11 @@ def create_app(config: ProxyConfig | None = None) -> FastAPI:
             allow_headers=["*"],
         )
     app.add_middleware(BodySizeLimit, limit=cfg.max_request_bytes)
+    keys = security.api_keys(cfg)  # flags, env and the key file
+    app.add_middleware(security.MetricsGate, cfg=cfg, keys=keys)
     app.add_middleware(RequestCounter, metrics=metrics)  # outermost: counts 413s too
 
     # -- dependencies ---------------------------------------------------------------------------
-
-    keys = [k.encode() for k in cfg.api_keys]
 
     async def require_key(request: Request) -> None:
         """Bearer auth, only when keys are configured (constant-time compare)."""
@@ -518,7 +519,7 @@ def create_app(config: ProxyConfig | None = None) -> FastAPI:
         }
 
     @app.get("/health", summary="Proxy and Triton readiness (503 while no Triton is ready)")
-    async def health() -> Any:
+    async def health(request: Request) -> Any:
         if not backend.any_ready():
             await backend.refresh()
         ready = backend.any_ready() and not state["draining"]
@@ -528,6 +529,8 @@ def create_app(config: ProxyConfig | None = None) -> FastAPI:
             "models": backend.ready_models(),
             "in_flight": metrics.in_flight,
         }
+        if not security.sees_internals(request.headers, cfg, keys):
+            body = security.public_health(body)
         if ready:
             return body
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(cfg.retry_after_s)})
