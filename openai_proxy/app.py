@@ -399,9 +399,7 @@ def create_app(config: ProxyConfig | None = None) -> FastAPI:
         try:
             async for job, ev in fan:
                 r = results[job.choice_index]
-                r.text += ev.text
-                r.prompt_tokens = ev.prompt_tokens or r.prompt_tokens
-                r.completion_tokens = ev.completion_tokens or r.completion_tokens
+                r.absorb(ev)
                 if ev.final:
                     reason = openai_finish_reason(ev.finish_reason)
                     if reason is None:

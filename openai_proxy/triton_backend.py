@@ -23,6 +23,8 @@ from tritonclient.grpc import InferInput, InferResult
 from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException
 
+from dlm_protocol import tensors
+
 from .config import ProxyConfig
 from .converters import TritonEvent, TritonJob
 from .errors import (
@@ -215,28 +217,7 @@ class TritonBackend:
         return self._batch_dims[model]
 
     def _inputs(self, job: TritonJob, batched: bool) -> list[InferInput]:
-        lead = [1] if batched else []
-
-        def text(name: str, value: str) -> InferInput:
-            inp = InferInput(name, [*lead, 1], "BYTES")
-            inp.set_data_from_numpy(
-                np.array([value.encode("utf-8")], dtype=np.object_).reshape([*lead, 1])
-            )
-            return inp
-
-        inputs: list[InferInput] = []
-        if job.prompt_input == "input_ids":
-            ids = np.asarray(job.prompt_value, dtype=np.int64).reshape([*lead, -1])
-            inp = InferInput("input_ids", list(ids.shape), "INT64")
-            inp.set_data_from_numpy(ids)
-            inputs.append(inp)
-        else:
-            inputs.append(text(job.prompt_input, str(job.prompt_value)))
-        flag = InferInput("stream", [*lead, 1], "BOOL")
-        flag.set_data_from_numpy(np.array([job.stream], dtype=bool).reshape([*lead, 1]))
-        inputs.append(flag)
-        inputs.append(text("sampling_parameters", json.dumps(job.sampling_parameters)))
-        return inputs
+        return request_inputs(job, batched)
 
     async def generate(self, model: str, job: TritonJob) -> AsyncIterator[TritonEvent]:
         """One Triton stream for one job. Closing the generator cancels the stream at once."""
@@ -385,6 +366,28 @@ class FanIn:
                 t.cancel()
 
 
+def request_inputs(job: TritonJob, batched: bool) -> list[InferInput]:
+    """The contract's input tensors for one job (a leading batch dim of 1 when `batched`)."""
+    lead = [1] if batched else []
+
+    def tensor(spec: tensors.TensorSpec, value: Any) -> InferInput:
+        array = np.asarray(value, dtype=spec.numpy_dtype).reshape([*lead, -1])
+        inp = InferInput(spec.name, list(array.shape), spec.datatype)
+        inp.set_data_from_numpy(array)
+        return inp
+
+    prompt = tensors.BY_NAME[job.prompt_input]
+    value = job.prompt_value
+    if prompt.datatype == "BYTES":
+        value = [str(value).encode("utf-8")]
+    params = json.dumps(job.sampling_parameters).encode("utf-8")
+    return [
+        tensor(prompt, value),
+        tensor(tensors.STREAM, [job.stream]),
+        tensor(tensors.SAMPLING_PARAMETERS, [params]),
+    ]
+
+
 def _as_str(value: Any) -> str:
     if isinstance(value, bytes):
         return value.decode("utf-8", errors="replace")
@@ -400,9 +403,9 @@ def _first(result: InferResult, name: str) -> Any:
 
 def decode_result(result: InferResult) -> TritonEvent:
     """Decode the outputs of one Triton response (missing outputs read as empty)."""
-    canvas_raw = _as_str(_first(result, "canvas"))
+    canvas_raw = _as_str(_first(result, tensors.CANVAS.name))
     canvas = json.loads(canvas_raw) if canvas_raw else None
-    reason = _as_str(_first(result, "finish_reason")) or None
+    reason = _as_str(_first(result, tensors.FINISH_REASON.name)) or None
 
     def num(name: str) -> int:
         v = _first(result, name)
@@ -413,14 +416,16 @@ def decode_result(result: InferResult) -> TritonEvent:
         params = result.get_response().parameters
         if "triton_final_response" in params:
             final = bool(params["triton_final_response"].bool_param)
+    steps = num(tensors.STEPS.name)
     return TritonEvent(
-        text=_as_str(_first(result, "text_output")),
+        text=_as_str(_first(result, tensors.TEXT_OUTPUT.name)),
         finish_reason=reason,
-        prompt_tokens=num("prompt_tokens"),
-        completion_tokens=num("completion_tokens"),
-        steps=num("steps"),
+        prompt_tokens=num(tensors.PROMPT_TOKENS.name),
+        completion_tokens=num(tensors.COMPLETION_TOKENS.name),
+        steps=steps,
         canvas=canvas,
         final=final,
+        forwards=num(tensors.FORWARDS.name) or steps,
     )
 
 
