@@ -78,9 +78,7 @@ def test_every_key_same_outcome_and_field_on_all_surfaces(proxy, client, model) 
     }
     jobs = [(case, surface) for case in CASES for surface in surfaces]
     with ThreadPoolExecutor(12) as pool:
-        results = list(
-            pool.map(lambda job: surfaces[job[1]](_keys(job[0][0], job[0][2])), jobs)
-        )
+        results = list(pool.map(lambda job: surfaces[job[1]](_keys(job[0][0], job[0][2])), jobs))
     table: dict[tuple[str, str], dict[str, Outcome]] = {}
     for ((name, kind, _), surface), outcome in zip(jobs, results, strict=True):
         table.setdefault((name, kind), {})[surface] = outcome
