@@ -11,6 +11,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
+from dlm_protocol import limits
+
 ENV_PREFIX = "DLM_PROXY_"
 
 
@@ -42,8 +44,9 @@ class ProxyConfig:
     triton_metrics_url: str = "http://localhost:8002/metrics"
     # Bearer keys accepted on /v1/*; empty list = auth off.
     api_keys: list[str] = field(default_factory=list)
-    # Upper bound on max_tokens (canvas length) a client may ask for.
-    max_tokens_limit: int = 4096
+    # Upper bound on max_tokens (canvas length) a client may ask for (each model's own
+    # max_canvas applies too; the engine reports it).
+    max_tokens_limit: int = limits.PROXY_MAX_TOKENS_LIMIT
     # Upper bound on n (choices per prompt) and on the total Triton requests one call fans out to.
     max_n: int = 16
     max_fanout: int = 64
