@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import InternalError, InvalidRequest, ProxyError, error_body
+from .schemas import KEY_OF_ALIAS
 
 log = logging.getLogger("openai_proxy")
 
@@ -32,7 +33,12 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "request body must be a JSON object (Content-Type: application/json)", None
     if first.get("type") == "missing" and not loc:
         return "request body is required", None
+    sent_as = ""
+    if loc and loc[0] in KEY_OF_ALIAS:  # name the contract key, as the engine does
+        sent_as = f" (sent as {loc[0]})"
+        loc[0] = KEY_OF_ALIAS[loc[0]]
     param = ".".join(loc) if loc else None
+    msg += sent_as
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return (f"{param}: {msg}" if param else msg) + more, param
 

@@ -63,6 +63,9 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
 }
 
+# alias -> contract key, to name the key (as the engine does) when a value sent by alias is bad.
+KEY_OF_ALIAS: dict[str, str] = {a: name for name, names in ALIASES.items() for a in names[1:]}
+
 # Contract keys forwarded to Triton's `sampling_parameters` JSON as they are (the converters
 # handle max_tokens, seed and stop themselves: limits, seed + choice, string or list).
 DIFFUSION_KEYS = tuple(name for name in PARAM_NAMES if name not in ("max_tokens", "seed", "stop"))
