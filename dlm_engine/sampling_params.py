@@ -43,7 +43,7 @@ class SamplingParams:
     are type- and range-checked on construction, aliases accepted, unknown keys refused.
     """
 
-    def __init__(self, **values: Any) -> None:
+    def __init__(self, /, **values: Any) -> None:  # `self` positional-only: any key is data
         given = parse_params(values)
         for p in PARAMS:
             default = list(p.default) if isinstance(p.default, tuple) else p.default

@@ -90,6 +90,19 @@ def test_every_key_same_outcome_and_field_on_all_surfaces(proxy, client, model) 
     assert not problems, "\n".join(problems)
 
 
+def test_bad_values_as_triton_request_parameters(client) -> None:
+    """The other way in over HTTP: keys as top-level request parameters (scalars only)."""
+    url = f"{client.http_url}/v2/models/{client.model}/generate"
+    for p in PARAMS:
+        bad = p.examples[1]
+        if isinstance(bad, list):
+            continue
+        r = httpx.post(url, json={"messages": json.dumps(MSG), **BASE, p.name: bad}, timeout=60)
+        assert r.status_code != 200, p.name
+        m = FIELD.search(str(r.json().get("error", r.text)))
+        assert m and m.group(1) == p.name, (p.name, r.text)
+
+
 def test_strings_are_not_booleans_or_numbers_anywhere(proxy, client, model) -> None:
     for name, value in (("suppress_eos", "true"), ("temperature", "0.5"), ("steps", "4")):
         keys = _keys(name, value)

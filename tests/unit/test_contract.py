@@ -74,6 +74,9 @@ def test_aliases_resolve_and_conflicts_name_the_key() -> None:
         parse_params({"temprature": 1})
     assert err.value.field == "temprature" and "unknown" in err.value.reason
     assert parse_params({"top_k": None}) == {}
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams.from_dict({"self": 1})  # any key is data, never a Python argument
+    assert err.value.field == "self"
 
 
 def test_engine_sampling_params_are_the_contract_keys() -> None:
