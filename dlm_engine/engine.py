@@ -32,7 +32,7 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.loaded = loaded or load_checkpoint(
-            config.model, config.dtype, config.device, config.quantization
+            config.model, config.dtype, config.device, config.quantization, config.revision
         )
         lm = self.loaded
         self.family = lm.family
@@ -52,7 +52,9 @@ class Engine:
             max_cuda_graphs=config.max_cuda_graphs,
             fused_kernels=config.fused_kernels,
         )
-        self.scheduler = Scheduler(config.max_rows, config.max_queue, config.max_step_tokens)
+        self.scheduler = Scheduler(
+            config.max_rows, config.max_queue, config.max_step_tokens, config.phase_wait_steps
+        )
         self._texts: dict[str, StableText] = {}
         self._aborted: list[str] = []
         self.total_forwards = 0

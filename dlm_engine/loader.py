@@ -16,6 +16,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from .hub import resolve_checkpoint, weight_files
 from .models import LLADA, Family, build_model, detect_family
 from .quantization import quantize_linears
 
@@ -54,21 +55,10 @@ def resolve_dtype(name: str, config: dict[str, Any]) -> torch.dtype:
     return DTYPES[name]
 
 
-def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path}")
-    return files
-
-
 def _read_state(path: Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     target = "cpu" if device.type == "cpu" else str(device)
-    for f in _weight_files(path):
+    for f in weight_files(path):
         with safe_open(str(f), framework="pt", device=target) as sf:
             for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
                 t = sf.get_tensor(name)
@@ -147,13 +137,16 @@ def load_checkpoint(
     dtype: str = "auto",
     device: str = "cpu",
     quantization: str | None = None,
+    revision: str | None = None,
 ) -> LoadedModel:
     """Build the family's model from `path`, load its weights, tokenizer and special ids.
 
-    `random:<preset>` builds a published architecture with random weights (benchmarks)."""
+    `path` is a checkpoint directory or a Hugging Face Hub id (`org/name`, fetched at
+    `revision` into the Hub cache: see `hub.py`); `random:<preset>` builds a published
+    architecture with random weights (benchmarks)."""
     if str(path).startswith("random:"):
         return random_checkpoint(str(path).removeprefix("random:"), dtype, device, quantization)
-    path = Path(path)
+    path = resolve_checkpoint(path, revision)  # a complete local folder, or a clear error
     config = json.loads((path / "config.json").read_text())
     gen_file = path / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.exists() else {}

@@ -20,6 +20,9 @@ def _serve_parser(sub: Any) -> None:
         help=f"checkpoint directory, hub id, or name in model_repository/ (default {DEFAULT_MODEL})",
     )
     p.add_argument("--model-name", help="Triton model name for a checkpoint directory")
+    p.add_argument(
+        "--revision", help="Hub branch, tag or commit of a Hub id (pin a commit in production)"
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument(
         "--dtype", help="auto (the checkpoint's torch_dtype), bfloat16, float16, float32"
@@ -80,12 +83,49 @@ def _param_flag(parser: argparse.ArgumentParser, param: Param) -> None:
                             metavar=param.kind.upper(), help=help_text)  # fmt: skip
 
 
+def _download_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "download",
+        help="fetch a model's checkpoint into the Hugging Face cache (HF_HOME), e.g. to pre-seed "
+        "an air-gapped host; the same files serve downloads",
+    )
+    p.add_argument("model", help="a Hub id (org/name) or a name in model_repository/")
+    p.add_argument("--revision", help="Hub branch, tag or commit (default: the model's, or main)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlm-triton", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _generate_parser(sub)
+    _download_parser(sub)
     return parser
+
+
+def download(args: argparse.Namespace) -> int:
+    """Resolve the checkpoint the launcher would serve, and fetch it into the Hub cache."""
+    import os
+
+    from dlm_triton.checkpoint_fetch import served_checkpoint
+    from dlm_triton.launcher import committed_repository
+
+    checkpoint, revision = args.model, args.revision
+    config = committed_repository() / args.model / "config.pbtxt"
+    if config.exists():
+        checkpoint, named = served_checkpoint(config, os.environ)
+        revision = revision or named
+    from dlm_engine.hub import is_hub_id, resolve_checkpoint
+
+    if checkpoint is None or not is_hub_id(checkpoint):
+        print(f"error: {args.model!r} names no Hub id ({checkpoint})", file=sys.stderr)
+        return 2
+    try:
+        folder = resolve_checkpoint(checkpoint, revision)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(folder)
+    return 0
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -95,6 +135,7 @@ def serve(args: argparse.Namespace) -> int:
             "max_rows": args.max_rows,
             "max_canvas": args.max_canvas,
             "max_prompt": args.max_prompt,
+            "revision": args.revision,
         }.items()
         if v is not None
     }
@@ -122,6 +163,12 @@ def serve(args: argparse.Namespace) -> int:
     except StartAborted as exc:
         print(f"{exc}; stopped", file=sys.stderr)
         return 0
+    except (FileNotFoundError, ValueError) as exc:  # no such model/checkpoint, corrupt shard
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, TimeoutError) as exc:  # the server or the proxy did not come up
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"ready: {server.describe()}", flush=True)
     print(
         f"try: dlm-triton generate 'Hello' --model {server.model_name} "
@@ -187,7 +234,7 @@ def generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return {"serve": serve, "generate": generate}[args.command](args)
+    return {"serve": serve, "generate": generate, "download": download}[args.command](args)
 
 
 if __name__ == "__main__":

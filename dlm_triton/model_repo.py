@@ -39,7 +39,8 @@ class ModelSpec:
     """What differs between served models: the checkpoint and engine limits."""
 
     name: str
-    checkpoint: str
+    checkpoint: str  # a directory, an embedded asset, or a Hub id (org/name)
+    revision: str | None = None  # Hub branch, tag or commit; None = main (DLM_REVISION overrides)
     dtype: str = "auto"
     quantization: str = "none"
     max_rows: int = limits.MAX_ROWS
@@ -51,6 +52,7 @@ class ModelSpec:
     def parameters(self, device: str) -> dict[str, str]:
         params = {
             "checkpoint": self.checkpoint,
+            **({"revision": self.revision} if self.revision else {}),
             "dtype": self.dtype,
             "device": device,
             "quantization": self.quantization,
@@ -100,6 +102,14 @@ def render_config(spec: ModelSpec, kind: str) -> str:
     for key, value in spec.parameters(device).items():
         lines.append(f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}')
     return "\n".join(lines) + "\n"
+
+
+_PARAMETER = re.compile(r'parameters \{ key: "([^"]+)" value: \{ string_value: "([^"]*)" \} \}')
+
+
+def read_parameters(config: Path) -> dict[str, str]:
+    """The ``parameters`` of a ``config.pbtxt`` written by :func:`render_config`."""
+    return dict(_PARAMETER.findall(config.read_text()))
 
 
 def _tensor_block(tensors: list[tuple[str, str, str]], optional: bool) -> list[str]:

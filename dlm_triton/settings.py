@@ -16,6 +16,7 @@ from dlm_protocol import limits
 # parameter key -> env var that overrides it
 ENV_OVERRIDES = {
     "checkpoint": "DLM_CHECKPOINT",
+    "revision": "DLM_REVISION",
     "dtype": "DLM_DTYPE",
     "device": "DLM_DEVICE",
     "quantization": "DLM_QUANTIZATION",
@@ -30,6 +31,7 @@ ASSETS_DIR = Path(__file__).resolve().parent.parent / "dlm_engine" / "assets"
 @dataclass
 class InstanceSettings:
     checkpoint: str
+    revision: str | None = None  # Hub revision when checkpoint is a Hub id
     dtype: str = "auto"
     device: str = "cpu"
     quantization: str = "none"
@@ -87,6 +89,7 @@ def resolve_settings(
                 ) from exc
     return InstanceSettings(
         checkpoint=resolve_checkpoint(merged["checkpoint"], model_dir),
+        revision=merged.get("revision") or None,
         dtype=merged.get("dtype", "auto"),
         device=device,
         quantization=merged.get("quantization", "none"),

@@ -83,6 +83,7 @@ class TritonPythonModel:
         s = self.settings
         wanted = {
             "model": s.checkpoint,
+            "revision": s.revision,
             "dtype": s.dtype,
             "device": s.device,
             "max_rows": s.max_rows,

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from . import security
 from .config import ProxyConfig
 from .dependencies import ProxyState
 from .error_handlers import add_error_handlers, error_response
@@ -74,6 +75,8 @@ def create_app(config: ProxyConfig | None = None) -> FastAPI:
             allow_headers=["*"],
         )
     app.add_middleware(BodySizeLimit, limit=cfg.max_request_bytes)
+    # /metrics on its own port, or behind the keys on the API port (security.py)
+    app.add_middleware(security.MetricsGate, cfg=cfg, keys=state.api_keys)
     app.add_middleware(RequestCounter, metrics=state.metrics)  # outermost: counts 413s too
     for router in ROUTERS:
         app.include_router(router)

@@ -6,12 +6,12 @@ reach it through `Depends(get_state)` instead of closures over `create_app`'s lo
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
 
+from . import security
 from .config import ProxyConfig
 from .errors import AuthenticationError, ServiceUnavailable
 from .metrics import ProxyMetrics
@@ -34,7 +34,7 @@ class ProxyState:
             config=config,
             backend=TritonBackend(config),
             metrics=ProxyMetrics(),
-            api_keys=[k.encode() for k in config.api_keys],
+            api_keys=security.api_keys(config),  # flags, env and the key file
         )
 
 
@@ -54,8 +54,7 @@ async def require_api_key(request: Request, state: State) -> None:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token:
         raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
-    given = token.strip().encode()
-    if not any(hmac.compare_digest(given, k) for k in state.api_keys):
+    if not security.bearer_ok(request.headers, state.api_keys):
         raise AuthenticationError("invalid API key")
 
 

@@ -1,19 +1,21 @@
-"""Health and metrics: open to probes (no API key)."""
+"""Health and metrics: open to probes (no API key); what they reveal is `security.py`'s call
+(/health internals only for key holders, /metrics on its own port or behind the keys)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from .. import security
 from ..dependencies import State
 
 router = APIRouter()
 
 
 @router.get("/health", summary="Proxy and Triton readiness (503 while no Triton is ready)")
-async def health(state: State) -> Any:
+async def health(request: Request, state: State) -> Any:
     backend = state.backend
     if not backend.any_ready():
         await backend.refresh()
@@ -24,6 +26,8 @@ async def health(state: State) -> Any:
         "models": backend.ready_models(),
         "in_flight": state.metrics.in_flight,
     }
+    if not security.sees_internals(request.headers, state.config, state.api_keys):
+        body = security.public_health(body)  # anonymous callers learn the status only
     if ready:
         return body
     headers = {"Retry-After": str(state.config.retry_after_s)}

@@ -179,3 +179,24 @@ def test_contract_is_torch_free() -> None:
         "sys.exit(1 if bad else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_every_package_is_in_the_wheel() -> None:
+    """Non-editable installs (the proxy image) get only the packages pyproject lists."""
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    listed = set(
+        tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    dirs = {"dlm_client": root / "client"}
+    for top in ("dlm_protocol", "dlm_engine", "dlm_triton", "openai_proxy"):
+        dirs[top] = root / top
+    found = set()
+    for name, folder in dirs.items():
+        for init in folder.rglob("__init__.py"):
+            rel = init.parent.relative_to(folder).parts
+            found.add(".".join((name, *rel)))
+    assert found <= listed, f"add to pyproject's packages: {sorted(found - listed)}"
