@@ -16,7 +16,7 @@ Adding a key: append a `Param` to `PARAMS` (and use it in the engine); see docs/
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -369,6 +369,11 @@ PARAM_NAMES: tuple[str, ...] = tuple(BY_NAME)
 def canonical(key: str) -> str | None:
     """The canonical name of a key or alias, None when unknown."""
     return ALIASES.get(key)
+
+
+def conflict_reason(name: str, keys: Iterable[str]) -> str:
+    """One key sent under two names with different values: a client bug worth naming."""
+    return f"conflicting values for {name} via {', '.join(sorted(keys))}"
 
 
 def parse_params(raw: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -9,7 +9,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import InternalError, InvalidRequest, ProxyError, error_body
+from dlm_protocol.errors import PREFIX_INVALID
+
+from .errors import InternalError, InvalidRequest, ProxyError, error_body, param_of
 from .schemas import KEY_OF_ALIAS
 
 log = logging.getLogger("openai_proxy")
@@ -33,6 +35,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "request body must be a JSON object (Content-Type: application/json)", None
     if first.get("type") == "missing" and not loc:
         return "request body is required", None
+    if not loc and msg.startswith(PREFIX_INVALID):  # a body-level check naming its field
+        return msg, param_of(msg)
     sent_as = ""
     if loc and loc[0] in KEY_OF_ALIAS:  # name the contract key, as the engine does
         sent_as = f" (sent as {loc[0]})"

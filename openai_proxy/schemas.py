@@ -29,6 +29,7 @@ from pydantic import (
 from pydantic.json_schema import SkipJsonSchema
 
 from dlm_protocol import BY_NAME, PARAM_NAMES, PARAMS, InvalidRequestError, Param
+from dlm_protocol.params import conflict_reason
 from dlm_protocol.response import CHAT_ROLES, CHUNK_EXTRAS, ROLE_ALIASES, USAGE_EXTRAS
 
 # OpenAI's own fields that share a name with a contract alias (handled by the proxy itself).
@@ -169,9 +170,7 @@ class _RequestBase(_ContractFields):
             for canonical, names in ALIASES.items():
                 given = {name: data[name] for name in names if name in data}
                 if len({repr(v) for v in given.values()}) > 1:
-                    raise ValueError(
-                        f"conflicting values for {canonical} via {', '.join(sorted(given))}"
-                    )
+                    raise InvalidRequestError(canonical, conflict_reason(canonical, given))
                 if len(given) > 1:  # same value twice: keep one, or the rest reads as extra
                     data = {k: v for k, v in data.items() if k not in given}
                     data[canonical] = next(iter(given.values()))

@@ -54,6 +54,13 @@ def test_bad_types_and_values_are_400_naming_the_field(
     assert err["param"] == param and words in err["message"], err
 
 
+def test_conflicting_aliases_name_the_key(client: TestClient) -> None:
+    r = post(client, steps=4, diffusion_steps=8)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "steps" and "conflicting values for steps" in err["message"]
+
+
 def test_valid_contract_values_pass_the_proxy(client: TestClient) -> None:
     for p in PARAMS:
         extra = {"stream": True} if p.name == "stream_mode" else {}
