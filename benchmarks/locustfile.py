@@ -49,11 +49,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc.experimental.gevent as grpc_gevent
-import numpy as np
 import requests
 import tritonclient.grpc as grpcclient
+from dlm_client import build_inputs
 from locust import User, between, events, task
 from locust.env import Environment
+
+from dlm_protocol import tensors
 
 # Locust runs users as greenlets: gRPC's C core must yield to gevent or one blocked stream
 # read would freeze every user in the process. Must run before any channel exists.
@@ -336,19 +338,12 @@ class TritonGrpcUser(User):
         self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
 
     def _inputs(self, stream: bool) -> list[grpcclient.InferInput]:
-        messages = json.dumps([{"role": "user", "content": SETTINGS.pick_prompt()}])
-        tensors = [
-            ("messages", np.array([[messages.encode()]], dtype=np.object_), "BYTES"),
-            ("stream", np.array([[stream]], dtype=np.bool_), "BOOL"),
-            (
-                "sampling_parameters",
-                np.array([[json.dumps(SETTINGS.params).encode()]], dtype=np.object_),
-                "BYTES",
-            ),
-        ]
+        """The contract's input tensors (names, datatypes: dlm_protocol.tensors)."""
+        messages = [{"role": "user", "content": SETTINGS.pick_prompt()}]
+        arrays = build_inputs(messages=messages, stream=stream, sampling=SETTINGS.params)
         inputs = []
-        for name, array, dtype in tensors:
-            item = grpcclient.InferInput(name, list(array.shape), dtype)
+        for name, array in arrays.items():
+            item = grpcclient.InferInput(name, list(array.shape), tensors.BY_NAME[name].datatype)
             item.set_data_from_numpy(array)
             inputs.append(item)
         return inputs
@@ -391,15 +386,15 @@ class TritonGrpcUser(User):
                 raise LoadError(f"Triton error: {error}")
             if result.get_response().id != request_id:
                 continue  # a late answer to an earlier, timed-out request
-            text = result.as_numpy("text_output").reshape(-1)[0]
+            text = result.as_numpy(tensors.TEXT_OUTPUT.name).reshape(-1)[0]
             if stream and first and text:
                 first = False
                 _fire(self.environment, "TTFT", name, started)
-            reason = result.as_numpy("finish_reason").reshape(-1)[0].decode()
+            reason = result.as_numpy(tensors.FINISH_REASON.name).reshape(-1)[0].decode()
             if reason:
                 if reason not in ("stop", "length"):
                     raise LoadError(f"finish_reason {reason!r}")
-                return int(result.as_numpy("completion_tokens").reshape(-1)[0])
+                return int(result.as_numpy(tensors.COMPLETION_TOKENS.name).reshape(-1)[0])
 
 
 @events.test_stop.add_listener

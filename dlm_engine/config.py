@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dlm_protocol import limits
+
 
 @dataclass
 class EngineConfig:
@@ -14,12 +16,12 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     quantization: str | None = None
-    max_rows: int = 16  # rows (requests) per denoising step
-    max_canvas: int = 1024  # max_tokens ceiling
-    max_prompt: int = 4096  # prompt tokens ceiling
-    max_queue: int = 1024  # waiting requests beyond the running rows
+    max_rows: int = limits.MAX_ROWS  # rows (requests) per denoising step
+    max_canvas: int = limits.MAX_CANVAS  # max_tokens ceiling
+    max_prompt: int = limits.MAX_PROMPT  # prompt tokens ceiling
+    max_queue: int = limits.MAX_QUEUE  # waiting requests beyond the running rows
     max_step_tokens: int = 65536  # prompt + canvas tokens of all rows in one forward
-    default_max_tokens: int = 64
+    default_max_tokens: int = limits.DEFAULT_MAX_TOKENS
     # steps a waiting cached row may be held so it joins when the running cached rows refresh
     # (one forward per step instead of a refresh plus a span forward); 0 admits at once
     phase_wait_steps: int = 8

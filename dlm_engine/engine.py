@@ -13,6 +13,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from dlm_protocol.response import CHAT_ROLES
+
 from .config import EngineConfig
 from .errors import InvalidRequestError
 from .loader import LoadedModel, load_checkpoint
@@ -112,7 +114,7 @@ class Engine:
                 raise InvalidRequestError(
                     "messages", f"message {i} needs string 'role' and 'content'"
                 )
-            if m["role"] not in ("system", "user", "assistant"):
+            if m["role"] not in CHAT_ROLES:
                 raise InvalidRequestError("messages", f"message {i} has unknown role {m['role']!r}")
             if self.mask_token and self.mask_token in m["content"]:
                 raise InvalidRequestError(
@@ -221,7 +223,8 @@ class Engine:
 
     def _output_for(self, seq: Sequence, now: float) -> RequestOutput | None:
         st = self._texts[seq.request_id]
-        done_canvas = seq.mask_id not in seq.canvas
+        # max_nfe spent: the last forward committed the active block; the request ends there.
+        done_canvas = seq.mask_id not in seq.canvas or seq.nfe_spent
         update = st.update(seq.committed_prefix(), canvas_complete=done_canvas)
         if update.finished:
             seq.finished = True

@@ -1,85 +1,55 @@
 """A request's diffusion settings: parsed, validated, and resolved against the model family.
 
-`SamplingParams` is what a client asked for (unset values are `None`); `ResolvedParams` is what
-the engine runs, with every default filled and every constraint checked. Each invalid value
-raises one `InvalidRequestError` that names the field.
+`SamplingParams` is what a client asked for, checked key by key against the request contract
+(`dlm_protocol.params`: types, ranges, aliases); `ResolvedParams` is what the engine runs, with
+every default filled and the rules that need the model or several keys checked here, in the
+one place that knows the model. Each invalid value raises one `InvalidRequestError` naming the
+field.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from typing import Any
+
+from dlm_protocol import PARAMS, parse_params
+from dlm_protocol.params import (
+    ALGORITHMS,
+    CACHE_MODES,
+    DEFAULT_THRESHOLD,
+    MAX_ENTROPY_THRESHOLD,
+    MAX_STOP_STRINGS,
+    STREAM_MODES,
+)
 
 from .errors import InvalidRequestError
 
-# ---- issue 15: accelerated decoding (LocalLeap, d3LLM multi-block / entropy threshold,
-# Fast-dLLM factor). Their keys, defaults and checks are the marked block at the bottom. ----
-ACCELERATED_ALGORITHMS = ("local_leap", "entropy_threshold", "factor")
-
-ALGORITHMS = (
-    "low_confidence",
-    "random",
-    "origin",
-    "maskgit_plus",
-    "topk_margin",
-    "entropy",
-    "threshold",
-    *ACCELERATED_ALGORITHMS,
-)
-STREAM_MODES = ("delta", "denoise")
-CACHE_MODES = ("none", "prefix", "dual")
-DEFAULT_THRESHOLD = 0.9
-MAX_STOP_STRINGS = 16
+__all__ = [
+    "ALGORITHMS",
+    "CACHE_MODES",
+    "DEFAULT_THRESHOLD",
+    "MAX_STOP_STRINGS",
+    "STREAM_MODES",
+    "ResolvedParams",
+    "SamplingParams",
+    "resolve",
+]
 MAX_BLOCK_DEFAULT = 32
 
-ALIASES = {
-    "gen_length": "max_tokens",
-    "max_new_tokens": "max_tokens",
-    "max_completion_tokens": "max_tokens",
-    "num_denoising_steps": "steps",
-    "diffusion_steps": "steps",
-    "remasking": "algorithm",
-    "alg": "algorithm",
-    "block_size": "block_length",
-    "random_seed": "seed",
-    # dlmserve's LocalLeap request fields (issue 15)
-    "local_leap_anchor_threshold": "anchor_threshold",
-    "local_leap_neighbor_threshold": "neighbor_threshold",
-    "local_leap_radius": "leap_radius",
-}
 
-
-@dataclass
 class SamplingParams:
-    """Per-request settings as given; `None` means "use the default"."""
+    """Per-request settings as given; a key left out reads as its contract default.
 
-    max_tokens: int | None = None
-    steps: int | None = None
-    block_length: int | None = None
-    algorithm: str | None = None
-    threshold: float | None = None
-    temperature: float = 0.0
-    top_p: float | None = None
-    top_k: int | None = None
-    alg_temp: float | None = None
-    cfg_scale: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stream_mode: str = "delta"
-    suppress_eos: bool = False
-    cache: str = "none"
-    # issue 15 (see the marked block at the bottom); None = not given
-    factor: float | None = None
-    anchor_threshold: float | None = None
-    neighbor_threshold: float | None = None
-    leap_radius: int | None = None
-    multi_block: bool | None = None
-    block_add_threshold: float | None = None
-    decoded_token_threshold: float | None = None
-    max_active_blocks: int | None = None
-    use_local_leap: bool | None = None
-    force_single_batch: bool | None = None
+    Its keys are exactly `dlm_protocol.PARAMS` (a key added there is accepted here); values
+    are type- and range-checked on construction, aliases accepted, unknown keys refused.
+    """
+
+    def __init__(self, /, **values: Any) -> None:  # `self` positional-only: any key is data
+        given = parse_params(values)
+        for p in PARAMS:
+            default = list(p.default) if isinstance(p.default, tuple) else p.default
+            setattr(self, p.name, given.get(p.name, default))
+        self.given = frozenset(given)  # keys the client set (for logs and tests)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> SamplingParams:
@@ -88,76 +58,17 @@ class SamplingParams:
             return cls()
         if not isinstance(raw, dict):
             raise InvalidRequestError("sampling_parameters", "must be a JSON object")
-        known = {f.name: f for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for key, value in raw.items():
-            name = ALIASES.get(key, key)
-            if name not in known:
-                raise InvalidRequestError(key, "unknown parameter")
-            if value is None:
-                continue
-            values[name] = _coerce(name, value)
-        return cls(**values)
+        return cls(**raw)
 
+    def to_dict(self) -> dict[str, Any]:
+        return {p.name: getattr(self, p.name) for p in PARAMS}
 
-_INTS = {"max_tokens", "steps", "block_length", "top_k", "seed", "leap_radius", "max_active_blocks"}
-_FLOATS = {
-    "threshold",
-    "temperature",
-    "top_p",
-    "alg_temp",
-    "cfg_scale",
-    "factor",
-    "anchor_threshold",
-    "neighbor_threshold",
-    "block_add_threshold",
-    "decoded_token_threshold",
-}
-_BOOLS = {"suppress_eos", "multi_block", "use_local_leap", "force_single_batch"}
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SamplingParams) and self.to_dict() == other.to_dict()
 
-
-def _coerce(name: str, value: Any) -> Any:
-    if name in _INTS:
-        if isinstance(value, str):
-            try:
-                value = int(value)
-            except ValueError:
-                raise InvalidRequestError(name, f"must be an integer, got {value!r}") from None
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise InvalidRequestError(name, f"must be an integer, got {value!r}")
-        return value
-    if name in _FLOATS:
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                raise InvalidRequestError(name, f"must be a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InvalidRequestError(name, f"must be a number, got {value!r}")
-        if not math.isfinite(value):
-            raise InvalidRequestError(name, "must be finite")
-        return float(value)
-    if name == "stop":
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-            raise InvalidRequestError("stop", "must be a string or a list of strings")
-        if len(value) > MAX_STOP_STRINGS:
-            raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings")
-        if any(s == "" for s in value):
-            raise InvalidRequestError("stop", "stop strings must not be empty")
-        return list(value)
-    if name in _BOOLS:
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        if not isinstance(value, bool):
-            raise InvalidRequestError(name, f"must be a boolean, got {value!r}")
-        return value
-    if not isinstance(value, str):
-        raise InvalidRequestError(name, f"must be a string, got {value!r}")
-    return value
+    def __repr__(self) -> str:
+        items = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items() if k in self.given)
+        return f"SamplingParams({items})"
 
 
 @dataclass(frozen=True)
@@ -179,6 +90,7 @@ class ResolvedParams:
     stream_mode: str
     suppress_eos: bool
     cache: str
+    max_nfe: int | None = None
     accel: Acceleration = field(default_factory=lambda: Acceleration())
 
     @property
@@ -214,15 +126,10 @@ def resolve(
     settings), applied to keys the request left unset."""
     p = apply_model_defaults(p, model_defaults)
     uses_blocks = uses_blocks or wants_blocks(p)
-    max_tokens = default_max_tokens if p.max_tokens is None else p.max_tokens
-    max_tokens = min(max_tokens, max_canvas) if p.max_tokens is None else max_tokens
-    if max_tokens < 1:
-        raise InvalidRequestError("max_tokens", "must be >= 1")
+    max_tokens = min(default_max_tokens, max_canvas) if p.max_tokens is None else p.max_tokens
     if max_tokens > max_canvas:
         raise InvalidRequestError("max_tokens", f"must be <= {max_canvas} (server limit)")
     steps = max_tokens if p.steps is None else p.steps
-    if steps < 1:
-        raise InvalidRequestError("steps", "must be >= 1")
     if steps > max_tokens:
         raise InvalidRequestError("steps", f"must be <= max_tokens ({max_tokens})")
     if p.block_length is None:
@@ -234,7 +141,7 @@ def resolve(
             )
     else:
         block = p.block_length
-        if block < 1 or block > max_tokens:
+        if block > max_tokens:
             raise InvalidRequestError("block_length", f"must be in [1, max_tokens={max_tokens}]")
         if max_tokens % block:
             raise InvalidRequestError("block_length", f"must divide max_tokens ({max_tokens})")
@@ -243,8 +150,6 @@ def resolve(
             "steps", f"must be divisible by the number of blocks ({max_tokens // block})"
         )
     algorithm = pick_algorithm(p) or ("threshold" if p.threshold is not None else default_algorithm)
-    if algorithm not in ALGORITHMS:
-        raise InvalidRequestError("algorithm", f"must be one of {', '.join(ALGORITHMS)}")
     if algorithm == "origin" and family != "dream":
         raise InvalidRequestError(
             "algorithm", "origin is Dream's algorithm; use low_confidence or random"
@@ -254,39 +159,20 @@ def resolve(
         threshold = DEFAULT_THRESHOLD
     if algorithm == "entropy_threshold" and threshold is None:
         threshold = DEFAULT_ENTROPY_THRESHOLD
-    if algorithm == "entropy_threshold":
-        if not 0.0 < threshold <= MAX_ENTROPY_THRESHOLD:
-            raise InvalidRequestError(
-                "threshold",
-                f"entropy_threshold bounds the entropy in nats: must be in "
-                f"(0, {MAX_ENTROPY_THRESHOLD}]",
-            )
-    elif threshold is not None and not 0.0 < threshold <= 1.0:
-        raise InvalidRequestError("threshold", "must be in (0, 1]")
+    if algorithm != "entropy_threshold" and threshold is not None and threshold > 1.0:
+        raise InvalidRequestError(
+            "threshold",
+            f"must be in (0, 1] for a confidence rule (up to {MAX_ENTROPY_THRESHOLD:g} nats "
+            "only with entropy_threshold)",
+        )
     if threshold is not None and algorithm in ("random", "origin", "entropy"):
         raise InvalidRequestError(
             "threshold", f"needs a confidence in [0, 1]; algorithm {algorithm} has none"
         )
-    if not 0.0 <= p.temperature <= 100.0:
-        raise InvalidRequestError("temperature", "must be in [0, 100]")
-    if p.top_p is not None and not 0.0 < p.top_p <= 1.0:
-        raise InvalidRequestError("top_p", "must be in (0, 1]")
-    if p.top_k is not None and p.top_k < 0:
-        raise InvalidRequestError("top_k", "must be >= 0 (0 disables)")
-    if p.alg_temp is not None and p.alg_temp < 0:
-        raise InvalidRequestError("alg_temp", "must be >= 0")
-    if p.cfg_scale < 0:
-        raise InvalidRequestError("cfg_scale", "must be >= 0")
     if p.cfg_scale > 0 and family != "llada":
         raise InvalidRequestError(
             "cfg_scale", "classifier-free guidance is supported for LLaDA only"
         )
-    if p.seed is not None and not 0 <= p.seed < 2**63:
-        raise InvalidRequestError("seed", "must be in [0, 2**63)")
-    if p.stream_mode not in STREAM_MODES:
-        raise InvalidRequestError("stream_mode", f"must be one of {', '.join(STREAM_MODES)}")
-    if p.cache not in CACHE_MODES:
-        raise InvalidRequestError("cache", f"must be one of {', '.join(CACHE_MODES)}")
     if p.cache != "none" and p.cfg_scale > 0:
         raise InvalidRequestError("cache", "cached mode cannot be combined with cfg_scale")
     return ResolvedParams(
@@ -297,7 +183,7 @@ def resolve(
         threshold=threshold,
         temperature=p.temperature,
         top_p=p.top_p,
-        top_k=p.top_k or None,
+        top_k=p.top_k,
         alg_temp=p.alg_temp or None,
         cfg_scale=p.cfg_scale,
         seed=p.seed,
@@ -305,6 +191,7 @@ def resolve(
         stream_mode=p.stream_mode,
         suppress_eos=p.suppress_eos,
         cache=p.cache,
+        max_nfe=p.max_nfe,
         accel=resolve_acceleration(p, family=family, algorithm=algorithm, threshold=threshold),
     )
 
@@ -313,8 +200,8 @@ def resolve(
 # multi-block decoding and entropy threshold (hao-ai-lab/d3LLM, SGLang PR #20615), Fast-dLLM's
 # factor rule (NVlabs/Fast-dLLM llada/generate.py). Published defaults below. ====
 
+ACCELERATED_ALGORITHMS = ("local_leap", "entropy_threshold", "factor")
 DEFAULT_ENTROPY_THRESHOLD = 0.5  # d3LLM generate()/diffusion_generate(threshold=0.5)
-MAX_ENTROPY_THRESHOLD = 20.0  # nats; ln(vocab) of any real tokenizer is below this
 DEFAULT_FACTOR = 1.0  # Fast-dLLM get_transfer_index_dynamic(factor=1)
 DEFAULT_ANCHOR_THRESHOLD = 0.9  # dlmserve SamplingParams: kappa
 DEFAULT_NEIGHBOR_THRESHOLD = 0.75  # dlmserve SamplingParams: tau
@@ -363,7 +250,9 @@ def apply_model_defaults(p: SamplingParams, defaults: dict[str, Any] | None) -> 
         for k, v in defaults.items()
         if getattr(p, k, None) is None and not (rule_given and k in _RULE_KEYS + _MB_KEYS)
     }
-    return replace(p, **fill) if fill else p
+    if not fill:
+        return p
+    return SamplingParams(**{k: getattr(p, k) for k in p.given}, **fill)
 
 
 _MB_KEYS = ("block_add_threshold", "decoded_token_threshold", "max_active_blocks")
@@ -372,7 +261,7 @@ _MB_KEYS = ("block_add_threshold", "decoded_token_threshold", "max_active_blocks
 def wants_blocks(p: SamplingParams) -> bool:
     """Multi-block and d3LLM's entropy threshold decode in blocks (32 by default) on every
     family, as published; Dream otherwise uses the whole canvas."""
-    return bool(p.multi_block) or p.algorithm == "entropy_threshold"
+    return wants_multi_block(p) or p.algorithm == "entropy_threshold"
 
 
 def pick_algorithm(p: SamplingParams) -> str | None:
@@ -387,9 +276,21 @@ def pick_algorithm(p: SamplingParams) -> str | None:
         return p.algorithm
     if p.factor is not None:
         return "factor"
-    if p.multi_block:  # d3LLM's rule; its `threshold` is the entropy bound
+    if any(getattr(p, k) is not None for k in _LEAP_KEYS):  # LocalLeap's own keys imply it
+        return "local_leap"
+    if wants_multi_block(p):  # d3LLM's rule; its `threshold` is the entropy bound
         return "entropy_threshold"
     return None
+
+
+_LEAP_KEYS = ("anchor_threshold", "neighbor_threshold", "leap_radius")
+
+
+def wants_multi_block(p: SamplingParams) -> bool:
+    """`multi_block: true`, or one of its own keys given without `multi_block: false`."""
+    if p.multi_block is not None:
+        return bool(p.multi_block)
+    return any(getattr(p, k) is not None for k in _MB_KEYS)
 
 
 def _unit(name: str, value: float | None, *, zero_ok: bool = False) -> None:
@@ -408,9 +309,8 @@ def resolve_acceleration(
         raise InvalidRequestError(
             "algorithm", f"{algorithm} is published for LLaDA ({LLADA_ONLY[algorithm]}) only"
         )
-    leap_keys = ("anchor_threshold", "neighbor_threshold", "leap_radius")
     if algorithm != "local_leap":
-        for key in leap_keys:
+        for key in _LEAP_KEYS:
             if getattr(p, key) is not None:
                 raise InvalidRequestError(key, "applies to algorithm local_leap only")
     if p.factor is not None and algorithm != "factor":
@@ -423,11 +323,11 @@ def resolve_acceleration(
     _unit("neighbor_threshold", p.neighbor_threshold, zero_ok=True)
     if p.leap_radius is not None and not 1 <= p.leap_radius <= MAX_LEAP_RADIUS:
         raise InvalidRequestError("leap_radius", f"must be in [1, {MAX_LEAP_RADIUS}]")
-    multi = bool(p.multi_block)
+    multi = wants_multi_block(p)
     if not multi:
         for key in _MB_KEYS:
             if getattr(p, key) is not None:
-                raise InvalidRequestError(key, "applies to multi_block decoding only")
+                raise InvalidRequestError(key, "applies to multi_block decoding only (not false)")
     else:
         if algorithm not in MULTI_BLOCK_RULES:
             raise InvalidRequestError(

@@ -79,8 +79,20 @@ class Sequence:
         return self.params.block_length
 
     @property
+    def last_forward(self) -> bool:
+        """This step is the last `max_nfe` allows: it commits the whole active block."""
+        cap = self.params.max_nfe
+        return cap is not None and self.forwards + 1 >= cap
+
+    @property
+    def nfe_spent(self) -> bool:
+        """The request used the forwards `max_nfe` allows (it ends with what it committed)."""
+        cap = self.params.max_nfe
+        return cap is not None and self.forwards >= cap
+
+    @property
     def uses_threshold(self) -> bool:
-        return self.params.threshold is not None
+        return self.params.threshold is not None and not self.last_forward
 
     @property
     def rows(self) -> int:
@@ -89,13 +101,15 @@ class Sequence:
 
     def transfer_count(self) -> int:
         """Tokens the family's schedule commits at this step (unused in threshold mode)."""
-        if self.step_in_block >= self.params.steps_per_block:
+        if self.step_in_block >= self.params.steps_per_block or self.last_forward:
             return self.masks_in_block  # budget spent: commit what is left
         if self.family == "llada":
             return self._llada_schedule[self.step_in_block]
         return self._dream_schedule.count(self.step_in_block, self.masks_in_block)
 
     def origin_probability(self) -> float:
+        if self.last_forward:
+            return 1.0  # every masked position of the canvas is committed now
         return self._dream_schedule.origin_probability(self.step_in_block)
 
     def absorb(self, window_tokens: list[int]) -> None:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dlm_protocol import PARAMS, Param
 from dlm_triton.launcher import DEFAULT_MODEL, Ports, StartAborted, TritonServerProcess
 
 
@@ -55,21 +56,31 @@ def _generate_parser(sub: Any) -> None:
     mode.add_argument("--chat", dest="chat", action="store_true", default=True,
                       help="apply the chat template (default)")  # fmt: skip
     mode.add_argument("--raw", dest="chat", action="store_false", help="raw prompt, no template")
-    p.add_argument("--max-tokens", type=int)
-    p.add_argument("--steps", type=int)
-    p.add_argument("--block-length", type=int)
-    p.add_argument("--algorithm")
-    p.add_argument("--threshold", type=float)
-    p.add_argument("--factor", type=float, help="Fast-dLLM factor rule (LLaDA)")
-    p.add_argument("--local-leap", dest="use_local_leap", action="store_const", const=True,
-                   help="LocalLeap anchor propagation (LLaDA)")  # fmt: skip
-    p.add_argument("--multi-block", dest="multi_block", action="store_const", const=True,
-                   help="d3LLM multi-block decoding (entropy threshold by default)")  # fmt: skip
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--seed", type=int)
+    for param in PARAMS:  # one flag per request key of the contract
+        _param_flag(p, param)
     p.add_argument("--param", action="append", default=[], metavar="KEY=JSON",
-                   help="any other sampling key, e.g. --param cache='\"prefix\"'")  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print the final usage as JSON")
+                   help="any request key as JSON, e.g. --param stop='[\"END\"]'")  # fmt: skip
+    p.add_argument(
+        "--json", action="store_true", help="print the final usage as JSON (stdout, last line)"
+    )
+
+
+_FLAG_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _param_flag(parser: argparse.ArgumentParser, param: Param) -> None:
+    flag = "--" + param.name.replace("_", "-")
+    help_text = f"{param.doc.split('. ')[0].rstrip('.')}; {param.values_text()} "
+    help_text = f"{help_text}(default: {param.default_doc})".replace("%", "%%")
+    if param.kind == "bool":
+        parser.add_argument(flag, dest=param.name, action="store_true", default=None,
+                            help=help_text)  # fmt: skip
+    elif param.kind == "stop":
+        parser.add_argument(flag, dest=param.name, action="append", metavar="TEXT",
+                            help=help_text + "; repeatable")  # fmt: skip
+    else:
+        parser.add_argument(flag, dest=param.name, type=_FLAG_TYPES[param.kind],
+                            metavar=param.kind.upper(), help=help_text)  # fmt: skip
 
 
 def _download_parser(sub: Any) -> None:
@@ -168,19 +179,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    keys = (
-        "max_tokens",
-        "steps",
-        "block_length",
-        "algorithm",
-        "threshold",
-        "temperature",
-        "seed",
-        "factor",
-        "use_local_leap",
-        "multi_block",
-    )
-    sampling = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+    sampling = {p.name: getattr(args, p.name) for p in PARAMS if getattr(args, p.name) is not None}
     for item in args.param:
         key, _, value = item.partition("=")
         try:
@@ -212,14 +211,24 @@ def generate(args: argparse.Namespace) -> int:
         return 2
     if args.stream:
         print()
-    if args.json and last is not None:
-        usage = {
-            "finish_reason": last.finish_reason,
-            "prompt_tokens": last.prompt_tokens,
-            "completion_tokens": last.completion_tokens,
-            "steps": last.steps,
-        }
+    if last is None:
+        return 0
+    usage = {
+        "finish_reason": last.finish_reason,
+        "prompt_tokens": last.prompt_tokens,
+        "completion_tokens": last.completion_tokens,
+        "steps": last.steps,
+        "forwards": last.forwards,
+        "tokens_per_forward": last.tokens_per_forward,
+    }
+    if args.json:
         print(json.dumps(usage))
+    else:  # on stderr: stdout stays the completion alone
+        print(
+            f"[{usage['finish_reason']}: {usage['completion_tokens']} tokens in "
+            f"{usage['forwards']} forwards, {usage['tokens_per_forward']:.2f} tokens/forward]",
+            file=sys.stderr,
+        )
     return 0
 
 

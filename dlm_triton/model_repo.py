@@ -13,31 +13,25 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dlm_protocol import limits, tensors
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMMITTED_REPOSITORY = REPO_ROOT / "model_repository"
 CPU_CONFIG_NAME = "config_cpu"
+
+
+def _dims(spec: tensors.TensorSpec) -> str:
+    return "[ " + ", ".join(str(d) for d in spec.dims) + " ]"
+
 
 SHIM = '''"""Triton Python backend entry point; the adapter lives in dlm_triton.triton_model."""
 
 from dlm_triton.triton_model import TritonPythonModel  # noqa: F401
 '''
 
-# (name, type, dims) per docs/architecture.md "Triton model contract".
-INPUTS = [
-    ("text_input", "TYPE_STRING", "[ 1 ]"),
-    ("messages", "TYPE_STRING", "[ 1 ]"),
-    ("input_ids", "TYPE_INT64", "[ -1 ]"),
-    ("stream", "TYPE_BOOL", "[ 1 ]"),
-    ("sampling_parameters", "TYPE_STRING", "[ 1 ]"),
-]
-OUTPUTS = [
-    ("text_output", "TYPE_STRING", "[ 1 ]"),
-    ("finish_reason", "TYPE_STRING", "[ 1 ]"),
-    ("prompt_tokens", "TYPE_INT32", "[ 1 ]"),
-    ("completion_tokens", "TYPE_INT32", "[ 1 ]"),
-    ("steps", "TYPE_INT32", "[ 1 ]"),
-    ("canvas", "TYPE_STRING", "[ 1 ]"),
-]
+# (name, type, dims) from the request contract (dlm_protocol.tensors).
+INPUTS = [(t.name, t.config_type, _dims(t)) for t in tensors.INPUTS]
+OUTPUTS = [(t.name, t.config_type, _dims(t)) for t in tensors.OUTPUTS]
 
 
 @dataclass
@@ -49,10 +43,10 @@ class ModelSpec:
     revision: str | None = None  # Hub branch, tag or commit; None = main (DLM_REVISION overrides)
     dtype: str = "auto"
     quantization: str = "none"
-    max_rows: int = 16
-    max_canvas: int = 1024
-    max_prompt: int = 2048
-    max_queue: int = 256
+    max_rows: int = limits.MAX_ROWS
+    max_canvas: int = limits.MAX_CANVAS
+    max_prompt: int = limits.MAX_PROMPT
+    max_queue: int = limits.MAX_QUEUE
     extra: dict[str, str] = field(default_factory=dict)
 
     def parameters(self, device: str) -> dict[str, str]:

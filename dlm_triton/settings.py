@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dlm_protocol import limits
+
 # parameter key -> env var that overrides it
 ENV_OVERRIDES = {
     "checkpoint": "DLM_CHECKPOINT",
@@ -33,10 +35,10 @@ class InstanceSettings:
     dtype: str = "auto"
     device: str = "cpu"
     quantization: str = "none"
-    max_rows: int = 16
-    max_canvas: int = 1024
-    max_prompt: int = 2048
-    max_queue: int = 256
+    max_rows: int = limits.MAX_ROWS
+    max_canvas: int = limits.MAX_CANVAS
+    max_prompt: int = limits.MAX_PROMPT
+    max_queue: int = limits.MAX_QUEUE
 
 
 def config_parameters(model_config: dict) -> dict[str, str]:

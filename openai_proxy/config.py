@@ -11,6 +11,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
+from dlm_protocol import limits
+
 ENV_PREFIX = "DLM_PROXY_"
 
 
@@ -49,8 +51,9 @@ class ProxyConfig:
     # A separate port for /metrics (0 = /metrics on the API port, behind the keys if any).
     metrics_port: int = 0
     metrics_host: str = ""  # address of the metrics port; empty = host
-    # Upper bound on max_tokens (canvas length) a client may ask for.
-    max_tokens_limit: int = 4096
+    # Upper bound on max_tokens (canvas length) a client may ask for (each model's own
+    # max_canvas applies too; the engine reports it).
+    max_tokens_limit: int = limits.PROXY_MAX_TOKENS_LIMIT
     # Upper bound on n (choices per prompt) and on the total Triton requests one call fans out to.
     max_n: int = 16
     max_fanout: int = 64

@@ -271,7 +271,10 @@ def test_accelerated_decoding_fields_pass_through(oai: openai.OpenAI, model: str
         assert r.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError) as info:
         oai.completions.create(
-            model=model, prompt="x", max_tokens=16, extra_body={"block_add_threshold": 0.5}
+            model=model,
+            prompt="x",
+            max_tokens=16,
+            extra_body={"block_add_threshold": 0.5, "multi_block": False},
         )
     assert info.value.param == "block_add_threshold"
 
