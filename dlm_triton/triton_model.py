@@ -112,9 +112,12 @@ class TritonPythonModel:
         self._watcher.start()
         import torch
 
+        from dlm_engine.loader import choose_dtype
+
+        dtype, why = choose_dtype(s.dtype, self.engine.loaded.config, s.device)
         pb_utils.Logger.log_info(
             f"dlm model {self.model_name}: checkpoint={s.checkpoint} device={s.device} "
-            f"dtype={s.dtype} max_rows={s.max_rows} torch_threads={torch.get_num_threads()}"
+            f"dtype={dtype} ({why}) max_rows={s.max_rows} torch_threads={torch.get_num_threads()}"
         )
 
     def _on_step(self, rows: int) -> None:
