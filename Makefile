@@ -14,7 +14,7 @@ LIBPYTHON := /usr/lib/x86_64-linux-gnu/libpython3.11.so.1.0
 # The versions the images install (docker/lock.py): the suite runs the same ones.
 CONSTRAINTS := docker/constraints.txt
 
-.PHONY: venv serve test lint format clean-venv
+.PHONY: venv serve test test-busy lint format clean-venv
 
 venv: $(STAMP)
 
@@ -43,6 +43,10 @@ format: venv
 
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# the suite with both cores kept busy by two loops (stopped by PID on every exit path)
+test-busy: venv
+	tests/run_busy.sh $(MAKE) test
 
 clean-venv:
 	rm -rf $(VENV)
