@@ -34,6 +34,9 @@ Everything is configured by environment variables (defaults in brackets):
 * ``DLM_LOAD_WAIT_S`` [0]: think time between a user's requests, uniform in [0, value].
 * ``DLM_LOAD_TIMEOUT_S`` [300]: a request slower than this counts as a failure.
 * ``DLM_LOAD_API_KEY``: bearer key for the proxy.
+* ``DLM_LOAD_STOP_AFTER`` [0]: stop the run once every request kind that can occur (proxy and
+  gRPC, streamed and not, as the weights and stream fraction allow) has completed this many
+  requests; ``--run-time`` is then only a cap. 0 runs for ``--run-time``.
 """
 
 from __future__ import annotations
@@ -48,12 +51,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import gevent
 import grpc.experimental.gevent as grpc_gevent
-import numpy as np
 import requests
 import tritonclient.grpc as grpcclient
+from dlm_client import build_inputs
 from locust import User, between, events, task
 from locust.env import Environment
+
+from dlm_protocol import tensors
 
 # Locust runs users as greenlets: gRPC's C core must yield to gevent or one blocked stream
 # read would freeze every user in the process. Must run before any channel exists.
@@ -336,19 +342,12 @@ class TritonGrpcUser(User):
         self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
 
     def _inputs(self, stream: bool) -> list[grpcclient.InferInput]:
-        messages = json.dumps([{"role": "user", "content": SETTINGS.pick_prompt()}])
-        tensors = [
-            ("messages", np.array([[messages.encode()]], dtype=np.object_), "BYTES"),
-            ("stream", np.array([[stream]], dtype=np.bool_), "BOOL"),
-            (
-                "sampling_parameters",
-                np.array([[json.dumps(SETTINGS.params).encode()]], dtype=np.object_),
-                "BYTES",
-            ),
-        ]
+        """The contract's input tensors (names, datatypes: dlm_protocol.tensors)."""
+        messages = [{"role": "user", "content": SETTINGS.pick_prompt()}]
+        arrays = build_inputs(messages=messages, stream=stream, sampling=SETTINGS.params)
         inputs = []
-        for name, array, dtype in tensors:
-            item = grpcclient.InferInput(name, list(array.shape), dtype)
+        for name, array in arrays.items():
+            item = grpcclient.InferInput(name, list(array.shape), tensors.BY_NAME[name].datatype)
             item.set_data_from_numpy(array)
             inputs.append(item)
         return inputs
@@ -391,15 +390,58 @@ class TritonGrpcUser(User):
                 raise LoadError(f"Triton error: {error}")
             if result.get_response().id != request_id:
                 continue  # a late answer to an earlier, timed-out request
-            text = result.as_numpy("text_output").reshape(-1)[0]
+            text = result.as_numpy(tensors.TEXT_OUTPUT.name).reshape(-1)[0]
             if stream and first and text:
                 first = False
                 _fire(self.environment, "TTFT", name, started)
-            reason = result.as_numpy("finish_reason").reshape(-1)[0].decode()
+            reason = result.as_numpy(tensors.FINISH_REASON.name).reshape(-1)[0].decode()
             if reason:
                 if reason not in ("stop", "length"):
                     raise LoadError(f"finish_reason {reason!r}")
-                return int(result.as_numpy("completion_tokens").reshape(-1)[0])
+                return int(result.as_numpy(tensors.COMPLETION_TOKENS.name).reshape(-1)[0])
+
+
+STOP_AFTER = int(os.environ.get("DLM_LOAD_STOP_AFTER", "0") or 0)
+
+
+def expected_kinds(env: Environment) -> list[str]:
+    """The E2E names the running users can produce (what a count-bounded run waits for)."""
+    running = getattr(env.runner, "user_classes_count", {}) or {}
+    kinds = []
+    for cls, base in ((ProxyChatUser, "proxy chat"), (TritonGrpcUser, "grpc")):
+        if running.get(cls.__name__, 0) > 0:
+            if SETTINGS.stream_fraction < 1:
+                kinds.append(base)
+            if SETTINGS.stream_fraction > 0:
+                kinds.append(f"{base} stream")
+    return kinds
+
+
+_completed: dict[str, int] = {}
+
+
+@events.request.add_listener
+def _stop_after_counts(request_type: str, name: str, exception: Any, context: Any = None, **kw):
+    """Count-bounded runs: quit once every kind has STOP_AFTER successful requests, so a slow
+    machine runs longer instead of failing (``--run-time`` only catches a real hang)."""
+    if not STOP_AFTER or request_type != "E2E" or exception is not None:
+        return
+    _completed[name] = _completed.get(name, 0) + 1
+    env = _ENV.get("env")
+    if env is not None and env.runner is not None and not _ENV.get("quitting"):
+        kinds = expected_kinds(env)
+        if kinds and all(_completed.get(k, 0) >= STOP_AFTER for k in kinds):
+            _ENV["quitting"] = True
+            print(f"[dlm] every kind completed {STOP_AFTER} requests: stopping", flush=True)
+            gevent.spawn(env.runner.quit)
+
+
+_ENV: dict[str, Any] = {}
+
+
+@events.init.add_listener
+def _remember_env(environment: Environment, **_: Any) -> None:
+    _ENV["env"] = environment
 
 
 @events.test_stop.add_listener

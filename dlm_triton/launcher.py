@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dlm_triton import model_repo
+from dlm_triton.checkpoint_fetch import fetch_checkpoint
 from dlm_triton.procs import (
     alive,
     cmdline,
@@ -230,6 +231,11 @@ class TritonServerProcess:
         """Start the server, wait until the model is ready, then start the proxy."""
         self.dist = self.dist or find_server()
         self.choice = self._choose_model()
+        try:  # a Hub id is downloaded here, with progress on this terminal
+            self.choice.env.update(fetch_checkpoint(self.choice.repository, self.choice.name))
+        except BaseException:
+            self.stop()
+            raise
         config_name = model_repo.CPU_CONFIG_NAME if self.device == "cpu" else None
         cmd = self.dist.command(
             self.choice.repository,
@@ -317,7 +323,10 @@ class TritonServerProcess:
             if self.stop_requested.is_set():
                 raise StartAborted("stop requested while the proxy was starting")
             if self.proxy.poll() is not None:
-                raise RuntimeError(f"the OpenAI proxy exited with {self.proxy.returncode}")
+                where = self.log_path.with_suffix(".proxy.log") if self.log_path else "stderr"
+                raise RuntimeError(
+                    f"the OpenAI proxy exited with {self.proxy.returncode} (reason in {where})"
+                )
             if http_ok(f"http://127.0.0.1:{self.ports.proxy}/health") or http_ok(
                 f"http://127.0.0.1:{self.ports.proxy}/v1/models"
             ):

@@ -47,7 +47,7 @@ def coerce_value(name: str, value: Any) -> Any:
             if name == "choice":
                 raise InvalidRequestError(name, "must be a list of strings") from None
             raise InvalidRequestError(name, "must be a JSON object") from None
-    if name in ("regex", "grammar") and not isinstance(value, str):
+    if name in ("regex", "grammar") and value is not None and not isinstance(value, str):
         raise InvalidRequestError(name, "must be a string")
     return value
 

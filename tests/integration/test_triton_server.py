@@ -144,6 +144,24 @@ def test_outputs_equal_the_engines_own(client: DLMClient, tiny_checkpoint: Path)
             {"prompt": "seeded"},
             {"max_tokens": 16, "temperature": 0.8, "seed": 7},
         ),
+        # issue 15: accelerated rules through Triton's sampling_parameters, seeds' names too
+        (
+            {"text": "Sort: 5 3 9 1"},
+            {"prompt": "Sort: 5 3 9 1"},
+            {
+                "max_tokens": 32,
+                "steps": 32,
+                "use_local_leap": True,
+                "local_leap_anchor_threshold": 0.5,
+                "force_single_batch": True,
+            },
+        ),
+        (
+            {"text": "Reverse abc"},
+            {"prompt": "Reverse abc"},
+            {"max_tokens": 32, "block_size": 8, "multi_block": True, "threshold": 0.3},
+        ),
+        ({"text": "copy x"}, {"prompt": "copy x"}, {"max_tokens": 16, "factor": 1.0}),
     ]
     for i, (encode_kw, client_kw, settings) in enumerate(cases):
         ids = engine.encode_prompt(**encode_kw)
