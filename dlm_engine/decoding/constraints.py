@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import llguidance
-import llguidance.torch as llt
+import llguidance.numpy as llnp  # not llguidance.torch: it runs torch.compile on import
 import numpy as np
 import torch
 
@@ -101,7 +101,7 @@ class ConstrainedStep:
             else:
                 budget, thr = min(s.transfer_count(), s.masks_in_block), None
             self.rows.append(_Row(i, s, first, budget, thr))
-        self.bitmask = llt.allocate_token_bitmask(max(1, len(self.rows)), runtime.vocab)
+        self.bitmask = llnp.allocate_token_bitmask(max(1, len(self.rows)), runtime.vocab)
         self._filled = False
 
     def __bool__(self) -> bool:
@@ -114,12 +114,12 @@ class ConstrainedStep:
 
     def _fill(self, rows: list[_Row]) -> None:
         for slot, r in enumerate(rows):
-            llt.fill_next_token_bitmask(r.seq.constraint.matcher, self.bitmask, slot)
+            llnp.fill_next_token_bitmask(r.seq.constraint.matcher, self.bitmask, slot)
             self._allow_all_stops(slot)
 
     def _allow_all_stops(self, slot: int) -> None:
         """The matcher allows "end" as the tokenizer's EOS; any stop id of the model ends."""
-        words = self.bitmask.numpy().view(np.uint32)[slot]
+        words = self.bitmask.view(np.uint32)[slot]
         eos = self.rt.eos_id
         if words[eos // 32] >> np.uint32(eos % 32) & 1:
             for t in self.rt.stop_ids:
@@ -161,7 +161,10 @@ class ConstrainedStep:
         temps = [r.seq.params.temperature for r in active]
         if any(t > 0 for t in temps):
             lg = lg / torch.tensor([t if t > 0 else 1.0 for t in temps], device=dev)[:, None]
-        llt.apply_token_bitmask_inplace(lg, self.bitmask[:n].to(dev, non_blocking=True))
+        words = torch.from_numpy(self.bitmask[:n]).to(dev)
+        bits = (words[:, :, None] >> torch.arange(32, device=dev, dtype=torch.int32)) & 1
+        allowed = bits.reshape(n, -1)[:, : lg.shape[1]].bool()
+        lg = lg.masked_fill(~allowed, -torch.inf)
         closing = [
             r.seq.params.max_tokens - (r.seq.block * r.seq.params.block_length + r.first + j)
             <= r.seq.constraint.reserve
