@@ -65,7 +65,7 @@ def _generate_parser(sub: Any) -> None:
     )
 
 
-_FLAG_TYPES = {"int": int, "float": float, "str": str}
+_FLAG_TYPES = {"int": int, "float": float, "str": str, "json": str}  # json: issue 17
 
 
 def _param_flag(parser: argparse.ArgumentParser, param: Param) -> None:
