@@ -167,7 +167,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--section",
-        choices=("modes", "algorithms"),
+        choices=("modes", "algorithms", "structured"),
         default="modes",
         help="modes: reference vs engine modes; algorithms: per-forward cost of each decoding "
         "algorithm and multi-block step time vs blocks in flight (gpu_bench_algorithms.py)",
@@ -239,6 +239,11 @@ def main() -> None:
             from gpu_bench_algorithms import run as run_algorithms
 
             rows += run_algorithms(engine, model_name, batches, args.iters, out)
+            continue
+        if args.section == "structured":  # issue 17: grammar-constrained rows' step cost
+            from gpu_bench_structured import run as run_structured
+
+            rows += run_structured(engine, model_name, batches, out)
             continue
         all_prompts = torch.randint(0, 100000, (max(batches), PROMPT), generator=gen)
         if args.profile:

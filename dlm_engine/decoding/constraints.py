@@ -55,9 +55,16 @@ class ConstraintRuntime:
     preference vector on the device."""
 
     def __init__(
-        self, tokenizer: Any, model_vocab: int, stop_ids: frozenset[int], eos_id: int, device
+        self,
+        tokenizer: Any,
+        model_vocab: int,
+        stop_ids: frozenset[int],
+        eos_id: int,
+        device,
+        mask_vocab: int | None = None,
     ) -> None:
         self.vocab = model_vocab
+        self.mask_vocab = mask_vocab or model_vocab  # llguidance's vocabulary (bitmask width)
         self.eos_id = eos_id
         self.stop_ids = sorted(stop_ids | {eos_id})
         self.device = device
@@ -101,7 +108,7 @@ class ConstrainedStep:
             else:
                 budget, thr = min(s.transfer_count(), s.masks_in_block), None
             self.rows.append(_Row(i, s, first, budget, thr))
-        self.bitmask = llnp.allocate_token_bitmask(max(1, len(self.rows)), runtime.vocab)
+        self.bitmask = llnp.allocate_token_bitmask(max(1, len(self.rows)), runtime.mask_vocab)
         self._filled = False
 
     def __bool__(self) -> bool:
@@ -164,6 +171,8 @@ class ConstrainedStep:
         words = torch.from_numpy(self.bitmask[:n]).to(dev)
         bits = (words[:, :, None] >> torch.arange(32, device=dev, dtype=torch.int32)) & 1
         allowed = bits.reshape(n, -1)[:, : lg.shape[1]].bool()
+        if allowed.shape[1] < lg.shape[1]:  # model rows beyond the tokenizer: never allowed
+            allowed = torch.nn.functional.pad(allowed, (0, lg.shape[1] - allowed.shape[1]))
         lg = lg.masked_fill(~allowed, -torch.inf)
         closing = [
             r.seq.params.max_tokens - (r.seq.block * r.seq.params.block_length + r.first + j)

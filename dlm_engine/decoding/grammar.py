@@ -137,14 +137,15 @@ def ll_tokenizer(hf_tokenizer: Any, n_vocab: int, eos_id: int) -> llguidance.LLT
         return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos_id)
     except ValueError:
         return llguidance.LLTokenizer(
-            llguidance.TokenizerWrapper(_DecodedVocab(hf_tokenizer, eos_id)), n_vocab=n_vocab
+            llguidance.TokenizerWrapper(_DecodedVocab(hf_tokenizer, eos_id, n_vocab)),
+            n_vocab=n_vocab,
         )
 
 
 class _DecodedVocab:
     """The attributes `llguidance.TokenizerWrapper` reads, from a tokenizer's decode()."""
 
-    def __init__(self, hf_tokenizer: Any, eos_id: int) -> None:
+    def __init__(self, hf_tokenizer: Any, eos_id: int, n_vocab: int) -> None:
         n = len(hf_tokenizer)
         self._hf = hf_tokenizer
         self.eos_token_id = eos_id
@@ -159,6 +160,9 @@ class _DecodedVocab:
             else hf_tokenizer.decode([i]).encode()
             for i in range(n)
         ]
+        # model rows past the tokenizer (and an end id there) decode to nothing: never text
+        self.tokens += [f"<|unused_{i}|>".encode() for i in range(n, max(n_vocab, eos_id + 1))]
+        self.special_token_ids += list(range(n, len(self.tokens)))
 
     def __call__(self, text: str) -> list[int]:
         return self._hf.encode(text, add_special_tokens=False)

@@ -45,6 +45,11 @@ class StructuredOutput:
         if self._runner.constraint_runtime is None:
             lm = self._loaded
             self._runner.constraint_runtime = ConstraintRuntime(
-                lm.tokenizer, self._runner.model_vocab, lm.stop_ids, lm.eos_id, lm.device
+                lm.tokenizer,
+                self._runner.model_vocab,
+                lm.stop_ids,
+                lm.eos_id,
+                lm.device,
+                mask_vocab=compiler.ll_tokenizer.vocab_size,
             )
         return RowConstraint(compiler.matcher(params.constraint), params.max_tokens)
