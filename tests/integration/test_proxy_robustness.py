@@ -449,11 +449,16 @@ def test_request_timeout_is_504_and_frees_the_row(
             15,
             "Triton to abort the timed-out request",
         )
-        # Streaming: the headers are out, so the timeout arrives as an error event.
+        # Streaming: once the headers are out, the timeout arrives as an error event; on a
+        # machine too slow for the first step to beat the timeout it is a plain 504.
         body = {"model": model, "prompt": "hello", "stream": True, "stream_mode": "denoise", **LONG}
         with httpx.stream("POST", p.base_url + "/v1/completions", json=body, timeout=60) as s:
+            status = s.status_code
             lines = [line for line in s.iter_lines() if line]
-        assert lines[-1] == "data: [DONE]"
-        assert sse_events(lines)[-1]["error"]["type"] == "timeout"
+        if status == 504:
+            assert json.loads("".join(lines))["error"]["type"] == "timeout"
+        else:
+            assert status == 200 and lines[-1] == "data: [DONE]"
+            assert sse_events(lines)[-1]["error"]["type"] == "timeout"
     finally:
         p.stop()
