@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import __name__ as _pkg
+from . import limits, playground
 from .config import ProxyConfig
 from .converters import (
     ChoiceResult,
@@ -543,4 +544,7 @@ def create_app(config: ProxyConfig | None = None) -> FastAPI:
             media_type="text/plain; version=0.0.4",
         )
 
+    app.include_router(limits.router, dependencies=[Depends(require_key)])
+    if cfg.playground_enabled():
+        app.include_router(playground.router)
     return app

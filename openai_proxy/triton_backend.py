@@ -152,6 +152,15 @@ class TritonBackend:
                 names |= st.models
         return sorted(names)
 
+    async def model_config(self, model: str) -> dict[str, Any]:
+        """The model's Triton config (JSON form) from a ready server that serves it."""
+        await self.check_model(model)
+        st = self._candidates(model)[0]
+        cfg = await st.client.get_model_config(
+            model, as_json=True, client_timeout=self.config.health_timeout_s
+        )
+        return cfg.get("config", cfg)
+
     def any_ready(self) -> bool:
         return any(st.ready for st in self._states)
 
