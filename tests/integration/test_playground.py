@@ -38,7 +38,7 @@ RECORD_FRAMES = """() => {
   window.__frames = [];
   const panel = document.querySelector('#panel-a');
   new MutationObserver(() => {
-    if (panel.dataset.state !== 'running') return;
+    if (panel.dataset.state !== 'running' || panel.dataset.frame === '0') return;
     const grid = panel.querySelector('.grid');
     window.__frames.push([panel.dataset.frame, grid.textContent,
                           grid.querySelectorAll('.cell.masked').length]);
@@ -228,7 +228,7 @@ def test_compare_mode_runs_two_settings_side_by_side(page: Any, proxy: ProxyProc
     # Only answer A goes on into the conversation; B is shown for comparison.
     assert page.locator("#history .msg.assistant").count() == 2
     assert (
-        page.locator("#history .msg.assistant .role").all_inner_texts()[1].endswith("(B, not kept)")
+        page.locator("#history .msg.assistant .role").all_text_contents()[1].endswith("(B, not kept)")
     )
     assert page.errors == []
 
