@@ -7,6 +7,8 @@ import { Run, drawFrame } from "./canvas.js";
 
 const $ = (sel, root = document) => root.querySelector(sel);
 const MAX_BACKLOG = 30; // frames: the live view never trails the stream by more than this
+// Sampling knobs most runs leave alone: folded under "more settings" to keep the form short.
+const SECONDARY = new Set(["top_p", "top_k", "alg_temp", "cfg_scale", "suppress_eos"]);
 
 const state = {
   models: [], // ids from /v1/models
@@ -78,13 +80,15 @@ function describeRange(el, spec) {
     el.textContent = "";
     return;
   }
-  const lo = spec.minimum !== undefined ? `[${spec.minimum}` : spec.exclusiveMinimum !== undefined ? `(${spec.exclusiveMinimum}` : "(-\u221e";
-  const hi = spec.maximum !== undefined ? `${spec.maximum}]` : spec.exclusiveMaximum !== undefined ? `${spec.exclusiveMaximum})` : "\u221e)";
+  // Bounds past 2^53 (the seed's 2^63 - 1) cannot be shown exactly by a JS number.
+  const fmt = (v) => (Math.abs(v) > Number.MAX_SAFE_INTEGER ? `~${v.toExponential(2)}` : String(v));
+  const lo = spec.minimum !== undefined ? `[${fmt(spec.minimum)}` : spec.exclusiveMinimum !== undefined ? `(${fmt(spec.exclusiveMinimum)}` : "(-\u221e";
+  const hi = spec.maximum !== undefined ? `${fmt(spec.maximum)}]` : spec.exclusiveMaximum !== undefined ? `${fmt(spec.exclusiveMaximum)})` : "\u221e)";
   el.textContent = `${lo}, ${hi}`;
 }
 
 function buildForm(fieldset) {
-  for (const old of fieldset.querySelectorAll("label")) old.remove();
+  for (const old of fieldset.querySelectorAll(":scope > label, :scope > details")) old.remove();
   const modelLabel = document.createElement("label");
   modelLabel.className = "field model";
   const caption = document.createElement("span");
@@ -101,7 +105,15 @@ function buildForm(fieldset) {
   modelLabel.appendChild(select);
   fieldset.appendChild(modelLabel);
   const specs = specsFor(select.value);
-  for (const [name, spec] of Object.entries(specs)) fieldset.appendChild(fieldFor(name, spec));
+  const more = document.createElement("details");
+  more.className = "more";
+  const summary = document.createElement("summary");
+  summary.textContent = "more settings";
+  more.appendChild(summary);
+  for (const [name, spec] of Object.entries(specs)) {
+    (SECONDARY.has(name) ? more : fieldset).appendChild(fieldFor(name, spec));
+  }
+  if (more.children.length > 1) fieldset.appendChild(more);
   select.addEventListener("change", () => {
     const fresh = specsFor(select.value);
     for (const input of fieldset.querySelectorAll("[data-param]")) {
