@@ -8,13 +8,17 @@ not work on these machines). Screenshots go to $DLM_SCREENSHOTS_DIR when set
 
 from __future__ import annotations
 
+import json
 import os
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+import tritonclient.grpc as grpcclient
 from chromium import LAUNCH_ARGS, ensure_chromium
 from proxy_fixtures import ProxyProcess
 
@@ -157,9 +161,21 @@ def screenshot(page: Any, name: str, tmp_path: Path) -> None:
         page.screenshot(path=str(ROOT / target / name), full_page=True)
 
 
-def test_canvas_settles_and_matches_the_api(page: Any, proxy: ProxyProcess, tmp_path: Path):
+def test_canvas_settles_and_matches_the_api(
+    page: Any, proxy: ProxyProcess, tiny_dlm: TritonServerProcess, tmp_path: Path
+):
     models = [m.id for m in proxy.client().models.list().data]
     assert page.locator("#settings-a [data-param=model] option").all_inner_texts() == models
+    # The controls carry the server's limits: max_tokens up to the model's max_canvas.
+    with urllib.request.urlopen(proxy.base_url + "/v1/limits", timeout=10) as resp:
+        limits = json.load(resp)["data"][0]
+    config = grpcclient.InferenceServerClient(tiny_dlm.urls["grpc"]).get_model_config(
+        MODEL, as_json=True
+    )["config"]
+    assert limits["max_tokens"] == int(config["parameters"]["max_canvas"]["string_value"])
+    for name in ("max_tokens", "steps", "block_length"):
+        field = page.locator(f"#settings-a [data-param={name}]")
+        assert field.get_attribute("max") == str(limits["max_tokens"])
     fill_settings(page, "a", SETTINGS)
     page.evaluate(RECORD_FRAMES)
     send(page, PROMPT)
@@ -264,6 +280,31 @@ def test_validation_errors_show_as_the_api_gives_them(
     # The failed turn is not kept; its text is back in the box for a retry.
     assert page.locator("#history .msg.assistant").count() == 0
     assert page.input_value("#prompt") == PROMPT
+
+
+def cancelled_streams(proxy: ProxyProcess) -> float:
+    with urllib.request.urlopen(proxy.base_url + "/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("dlm_proxy_triton_streams_cancelled_total "):
+                return float(line.split()[1])
+    raise AssertionError("no dlm_proxy_triton_streams_cancelled_total in /metrics")
+
+
+def test_stop_cancels_a_running_answer(page: Any, proxy: ProxyProcess):
+    before = cancelled_streams(proxy)
+    fill_settings(page, "a", {"max_tokens": 1024, "steps": 1024, "block_length": 1024})
+    send(page, PROMPT)
+    page.wait_for_selector("#panel-a[data-state=running]:not([data-frame='0'])")
+    page.click("#stop")
+    wait_done(page, "a", "error")
+    assert page.locator("#panel-a .error").inner_text() == "stopped"
+    assert page.locator("#panel-a .grid .cell.masked").count() > 0
+    assert page.input_value("#prompt") == PROMPT and page.locator("#send").is_enabled()
+    # The proxy saw the browser go away and cancelled the Triton stream.
+    deadline = time.monotonic() + 30
+    while cancelled_streams(proxy) <= before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cancelled_streams(proxy) == before + 1
 
 
 def test_html_in_messages_model_names_and_errors_renders_as_text(page: Any):
