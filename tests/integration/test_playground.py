@@ -19,7 +19,7 @@ from typing import Any
 import openai
 import pytest
 import tritonclient.grpc as grpcclient
-from chromium import LAUNCH_ARGS, ensure_chromium
+from chromium_setup import LAUNCH_ARGS, ensure_chromium
 from proxy_fixtures import ProxyProcess
 
 from dlm_triton.launcher import Ports, TritonServerProcess
@@ -336,8 +336,9 @@ def test_usable_at_phone_width(browser: Any, proxy: ProxyProcess, tmp_path: Path
         pg.set_default_timeout(WAIT_MS)
         pg.goto(proxy.base_url + "/playground/")
         pg.wait_for_selector("body[data-ready=true]")
-        fill_settings(pg, "a", {"max_tokens": 16, "steps": 8})
         pg.check("#compare")
+        for panel in "ab":
+            fill_settings(pg, panel, {"max_tokens": 16, "steps": 8})
         send(pg, PROMPT)
         wait_done(pg, "a")
         wait_done(pg, "b")

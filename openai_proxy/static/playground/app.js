@@ -193,7 +193,8 @@ class Panel {
   }
 
   // Live view: one frame per animation frame, skipping ahead when the stream runs far ahead.
-  tick() {
+  tick(run) {
+    if (run !== this.run) return; // a newer answer took over this panel
     const frames = this.run.frames.length;
     const backlog = frames - 1 - this.shown;
     if (backlog > 0) {
@@ -203,7 +204,7 @@ class Panel {
       this.finishView();
       return;
     }
-    requestAnimationFrame(() => this.tick());
+    requestAnimationFrame(() => this.tick(run));
   }
 
   finishView() {
@@ -233,7 +234,8 @@ class Panel {
     let firstText = null;
     let usage = null;
     let finish = null;
-    requestAnimationFrame(() => this.tick());
+    const run = this.run;
+    requestAnimationFrame(() => this.tick(run));
     try {
       await streamJSON("../v1/chat/completions", body, (chunk) => {
         if (chunk.usage) usage = chunk.usage;
