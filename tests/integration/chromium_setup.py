@@ -27,7 +27,9 @@ LAUNCH_ARGS = [
 
 
 def ensure_chromium(timeout_s: float = 900) -> tuple[Path | None, str]:
-    """(path, "") when Chromium is usable, else (None, why not) for the skip message."""
+    """(path, "") when Chromium is usable; (None, why) where installing it is impossible here
+    (no apt-get, no root): the caller skips. A failed install where it should work raises:
+    that is a broken machine, not a reason to skip."""
     if CHROMIUM.exists():
         return CHROMIUM, ""
     if shutil.which("apt-get") is None:
@@ -38,19 +40,27 @@ def ensure_chromium(timeout_s: float = 900) -> tuple[Path | None, str]:
             return None, "Chromium is not installed; installing it needs root (or sudo)"
         sudo = ["sudo", "-n"]
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (
-        ["apt-get", "update"],
-        ["apt-get", "install", "-y", "-o", "DPkg::Lock::Timeout=300", "chromium"],
-    ):
-        try:
-            done = subprocess.run(
-                sudo + cmd, env=env, capture_output=True, text=True, timeout=timeout_s
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return None, f"installing Chromium failed: {' '.join(cmd)}: {exc}"
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout)[-600:]
-            return None, f"installing Chromium failed: {' '.join(cmd)}: {tail}"
+    # A failed index update (one unreachable source) need not stop the install: only the
+    # install's own failure does, reported with the update's output too.
+    update = _run(sudo + ["apt-get", "update"], env, timeout_s)
+    install = _run(
+        sudo + ["apt-get", "install", "-y", "-o", "DPkg::Lock::Timeout=300", "chromium"],
+        env,
+        timeout_s,
+    )
+    if install:
+        raise RuntimeError(f"apt-get install chromium failed: {install} (update: {update or 'ok'})")
     if not CHROMIUM.exists():
-        return None, f"apt-get installed chromium but {CHROMIUM} is missing"
+        raise RuntimeError(f"apt-get installed chromium but {CHROMIUM} is missing")
     return CHROMIUM, ""
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> str:
+    """'' on success, else the tail of what went wrong."""
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    if done.returncode != 0:
+        return (done.stderr or done.stdout)[-600:].strip() or f"exit {done.returncode}"
+    return ""
