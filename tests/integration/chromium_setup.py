@@ -36,9 +36,9 @@ def ensure_chromium(timeout_s: float = 900) -> tuple[Path | None, str]:
         return None, "Chromium is not installed and this machine has no apt-get to install it"
     sudo: list[str] = []
     if os.geteuid() != 0:
-        if shutil.which("sudo") is None:
-            return None, "Chromium is not installed; installing it needs root (or sudo)"
         sudo = ["sudo", "-n"]
+        if shutil.which("sudo") is None or _run([*sudo, "true"], dict(os.environ), 30):
+            return None, "Chromium is not installed; installing it needs root or passwordless sudo"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     # A failed index update (one unreachable source) need not stop the install: only the
     # install's own failure does, reported with the update's output too.
