@@ -8,6 +8,7 @@ import { Run, drawFrame } from "./canvas.js";
 const $ = (sel, root = document) => root.querySelector(sel);
 const MAX_BACKLOG = 30; // frames: the live view never trails the stream by more than this
 // Sampling knobs most runs leave alone: folded under "more settings" to keep the form short.
+const RELOAD_MS = 3000;
 const SECONDARY = new Set(["top_p", "top_k", "alg_temp", "cfg_scale", "suppress_eos"]);
 
 const state = {
@@ -138,7 +139,13 @@ function readSettings(fieldset) {
     if (raw === "") continue;
     const kind = input.dataset.kind;
     let value = raw;
-    if (kind === "integer") value = Number.isInteger(Number(raw)) ? Number(raw) : raw;
+    if (kind === "integer") {
+      // Past 2^53 a JS number is not exact (seeds go to 2^63 - 1): the digits go as a string,
+      // which the API reads as the exact integer. Anything else odd goes as typed, for the
+      // API to name the field.
+      const n = Number(raw);
+      value = Number.isSafeInteger(n) ? n : raw;
+    }
     else if (kind === "number") value = Number.isNaN(Number(raw)) ? raw : Number(raw);
     else if (kind === "boolean") value = raw === "true";
     params[input.dataset.param] = value;
@@ -394,6 +401,8 @@ async function loadModels() {
     document.body.dataset.ready = "true";
   } catch (err) {
     showLoadError(err);
+    // Triton still starting (503): try again shortly. Other errors wait for the user.
+    if (err.status === 503) setTimeout(loadModels, RELOAD_MS);
   }
 }
 
