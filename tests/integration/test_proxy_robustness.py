@@ -31,7 +31,8 @@ model = proxy_fixtures.model
 
 MSG = [{"role": "user", "content": "Say something."}]
 # Long enough to be cancelled mid-way: 256 forwards over one 256-token block (seconds on CPU).
-LONG = {"max_tokens": 256, "steps": 256, "block_length": 256}
+# Long enough to outlast the tests' short timeouts on any machine (no early end of text).
+LONG = {"max_tokens": 1024, "steps": 1024, "block_length": 1024, "suppress_eos": True}
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
@@ -293,7 +294,7 @@ def test_triton_stopped_gives_503_then_recovers(tiny_checkpoint: Path, tmp_path:
                     prompt="hello",
                     stream=True,
                     max_tokens=LONG["max_tokens"],
-                    extra_body={"steps": LONG["steps"], "block_length": LONG["block_length"]},
+                    extra_body={k: LONG[k] for k in ("steps", "block_length", "suppress_eos")},
                 )
                 outcome["chunks"] = 0
                 for _ in stream:
