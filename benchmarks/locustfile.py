@@ -198,6 +198,16 @@ FAILURE_BACKOFF_S = 0.2
 _request_ids = itertools.count()
 
 
+class _GreenletSafeClient(grpcclient.InferenceServerClient):
+    """tritonclient closes its channel in ``__del__``: run by the garbage collector inside
+    gevent's hub, that close can block forever and freeze every user of the process (seen:
+    a sweep run stuck in ``Channel._close`` from ``__del__``). Users close explicitly in
+    ``on_stop`` instead."""
+
+    def __del__(self) -> None:
+        pass
+
+
 class LoadError(Exception):
     """A response that arrived but breaks the API contract (counted as a Locust failure)."""
 
@@ -328,7 +338,7 @@ class TritonGrpcUser(User):
     wait_time = between(0.0, SETTINGS.wait_s)
 
     def on_start(self) -> None:
-        self.client = grpcclient.InferenceServerClient(SETTINGS.triton_grpc)
+        self.client = _GreenletSafeClient(SETTINGS.triton_grpc)
         self._open_stream()
 
     def on_stop(self) -> None:

@@ -309,6 +309,9 @@ def main() -> None:
             peak = bf16_peak_tflops(torch.device(args.device))
     elif args.model != "tiny-dlm" and args.model.startswith("random:"):
         raise SystemExit("--target triton/proxy serve their own model: name it, not random:")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from triton_gpu_bench import device_name
+
     header = (
         f"target={args.target} model={args.model} device={device_name(args.device)} "
         f"arrivals={args.arrivals} slo=factor {args.slo_factor} x the request's latency alone"
@@ -361,21 +364,6 @@ def main() -> None:
         json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=2)
     )
     plot(rows, out / "traffic.png", header)
-
-
-def device_name(device: str) -> str:
-    if device.startswith("cuda") and shutil.which("nvidia-smi"):
-        r = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if r.returncode == 0:
-            return r.stdout.strip().splitlines()[0]
-    import platform
-
-    return f"cpu ({platform.machine()}, {platform.processor() or 'unknown'})"
 
 
 def format_row(r: RoundResult) -> str:

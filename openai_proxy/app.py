@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from . import security
+from . import playground, security
 from .config import ProxyConfig
 from .dependencies import ProxyState
 from .error_handlers import add_error_handlers, error_response
@@ -80,4 +80,6 @@ def create_app(config: ProxyConfig | None = None) -> FastAPI:
     app.add_middleware(RequestCounter, metrics=state.metrics)  # outermost: counts 413s too
     for router in ROUTERS:
         app.include_router(router)
+    if cfg.playground_enabled(has_keys=bool(state.api_keys)):
+        app.include_router(playground.router)
     return app

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from dlm_protocol import limits
 
 ENV_PREFIX = "DLM_PROXY_"
+PLAYGROUND_MODES = ("auto", "on", "off")
 
 
 def _split_list(value: str) -> list[str]:
@@ -74,7 +75,14 @@ class ProxyConfig:
     drain_timeout_s: float = 30.0
     # Retry-After value (seconds) on 503 answers.
     retry_after_s: int = 2
+    # The browser playground at /playground: "auto" = on only while no API keys are configured
+    # (a page anyone can open should not sit in front of a keyed server unless asked), "on", "off".
+    playground: str = "auto"
     log_level: str = "info"
+
+    def playground_enabled(self, has_keys: bool) -> bool:
+        """`has_keys`: API keys from any source (flags, env, the key file: security.py)."""
+        return self.playground == "on" or (self.playground == "auto" and not has_keys)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ProxyConfig:
@@ -102,6 +110,8 @@ class ProxyConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.first_event_wait_s < 0 or self.drain_timeout_s < 0:
             raise ValueError("first_event_wait_s and drain_timeout_s must be >= 0")
+        if self.playground not in PLAYGROUND_MODES:
+            raise ValueError(f"playground must be one of {', '.join(PLAYGROUND_MODES)}")
 
 
 def _convert(name: str, current: object, raw: str) -> object:
@@ -178,6 +188,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--first-event-wait", type=float, dest="first_event_wait_s")
     p.add_argument("--drain-timeout", type=float, dest="drain_timeout_s")
     p.add_argument("--retry-after", type=int, dest="retry_after_s")
+    p.add_argument(
+        "--playground",
+        choices=PLAYGROUND_MODES,
+        help="browser playground at /playground: auto (default) = on unless API keys are "
+        "configured (DLM_PROXY_PLAYGROUND)",
+    )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     return p
 

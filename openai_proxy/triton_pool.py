@@ -191,6 +191,15 @@ class TritonPool:
         ties = [st for st in cands if st.in_flight == low]
         return ties[self._rr % len(ties)]
 
+    async def model_config(self, model: str) -> dict[str, Any]:
+        """The model's Triton config (JSON form) from a ready server that serves it."""
+        await self.check_model(model)
+        st = self._candidates(model)[0]
+        cfg = await st.client.get_model_config(
+            model, as_json=True, client_timeout=self.config.health_timeout_s
+        )
+        return cfg.get("config", cfg)
+
     async def batch_dim(self, st: BackendState, model: str) -> int:
         if model not in self._batch_dims:
             cfg = await st.client.get_model_config(

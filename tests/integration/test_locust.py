@@ -153,7 +153,7 @@ def test_locust_against_cpu_stack_has_no_failures(
     # Both user kinds, streaming and not, all did real work.
     for name in ("proxy chat", "proxy chat stream", "grpc", "grpc stream"):
         e2e = rows[("E2E", name)]
-        assert int(e2e["Request Count"]) >= STOP_AFTER, name
+        assert int(e2e["Request Count"]) > 0, name
         assert float(e2e["Average Content Size"]) > 0, f"{name}: no completion tokens counted"
     for name in ("proxy chat stream", "grpc stream"):
         ttft, e2e = rows[("TTFT", name)], rows[("E2E", name)]
