@@ -11,6 +11,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
+from .replicas import validate_targets
+
 ENV_PREFIX = "DLM_PROXY_"
 
 
@@ -34,8 +36,13 @@ class ProxyConfig:
 
     host: str = "0.0.0.0"
     port: int = 9000
-    # gRPC endpoints of one or more tritonservers serving the same models (round-robin).
+    # gRPC endpoints of one or more tritonservers serving the same models; `dns:HOST:PORT` is
+    # every address HOST resolves to (a headless Service), re-resolved every resolve_interval_s.
+    # Each request goes to the replica with the fewest requests open (openai_proxy/replicas.py).
     triton_urls: list[str] = field(default_factory=lambda: ["localhost:8001"])
+    resolve_interval_s: float = 10.0
+    # Attempts on another replica after one broke before any token was sent (refusals are free).
+    retries: int = 1
     # If set, only these Triton models are served (others answer 404); empty = all ready models.
     models: list[str] = field(default_factory=list)
     # Where Triton's Prometheus metrics live; /metrics points there.
@@ -85,7 +92,15 @@ class ProxyConfig:
         for name in ("max_tokens_limit", "max_n", "max_fanout", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("request_timeout_s", "health_timeout_s", "health_interval_s"):
+        validate_targets(self.triton_urls)
+        if self.retries < 0:
+            raise ValueError("retries must be >= 0")
+        for name in (
+            "request_timeout_s",
+            "health_timeout_s",
+            "health_interval_s",
+            "resolve_interval_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.first_event_wait_s < 0 or self.drain_timeout_s < 0:
@@ -119,8 +134,20 @@ def build_arg_parser() -> argparse.ArgumentParser:
         action="append",
         dest="triton_urls",
         metavar="HOST:PORT",
-        help="Triton gRPC endpoint; repeat or comma-separate for round-robin "
-        "(DLM_PROXY_TRITON_URLS, default localhost:8001)",
+        help="Triton gRPC endpoint, or dns:HOST:PORT for every address of HOST (re-resolved); "
+        "repeat or comma-separate for several replicas (DLM_PROXY_TRITON_URLS, default "
+        "localhost:8001)",
+    )
+    p.add_argument(
+        "--resolve-interval",
+        type=float,
+        dest="resolve_interval_s",
+        help="seconds between DNS look-ups of dns: entries (default 10)",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        help="attempts on another replica after one failed before any token (default 1)",
     )
     p.add_argument(
         "--model",

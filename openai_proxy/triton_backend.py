@@ -1,4 +1,6 @@
-"""Triton behind the proxy: gRPC aio clients, health, round-robin and one stream per request.
+"""Triton behind the proxy: gRPC aio clients, health, and one stream per request.
+
+Which replica serves a request, and what a failed attempt means, is `replicas.ReplicaPool`'s job.
 
 Why a stream even for non-streaming calls: the served models are decoupled, and a gRPC stream
 is the one Triton path where a client cancel reaches the model (the row leaves the batch), and
@@ -14,7 +16,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -32,6 +33,7 @@ from .errors import (
     UpstreamTimeout,
     from_triton_message,
 )
+from .replicas import Outcome, Replica, ReplicaPool, RetryBudget, classify
 
 log = logging.getLogger("openai_proxy.triton")
 
@@ -49,28 +51,21 @@ _CHANNEL_ARGS = [
 ]
 
 
-@dataclass
-class BackendState:
-    """What the last probe of one Triton URL found."""
-
-    url: str
-    client: InferenceServerClient
-    ready: bool = False
-    models: set[str] = field(default_factory=set)
-    # Every model in the repository index with its state (READY, LOADING, UNAVAILABLE, ...).
-    states: dict[str, str] = field(default_factory=dict)
-    last_error: str = ""
-    last_probe: float = 0.0
-    in_flight: int = 0
+BackendState = Replica[InferenceServerClient]
 
 
 class TritonBackend:
-    """A pool of tritonservers serving the same models; requests go round-robin to ready ones."""
+    """Tritonservers serving the same models; each request goes to the least loaded one."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self._states: list[BackendState] = []
-        self._rr = 0
+        self.pool: ReplicaPool[InferenceServerClient] = ReplicaPool(
+            config.triton_urls,
+            lambda url: InferenceServerClient(url, channel_args=_CHANNEL_ARGS),
+            lambda client: client.close(),
+            eject_s=config.health_interval_s,
+        )
+        self._last_sync = 0.0
         self._health_task: asyncio.Task[None] | None = None
         self._probe_lock = asyncio.Lock()
         self._last_refresh = 0.0
@@ -84,10 +79,8 @@ class TritonBackend:
 
     async def start(self) -> None:
         """Create channels inside the running loop (grpc.aio binds them to it) and probe once."""
-        self._states = [
-            BackendState(url=u, client=InferenceServerClient(u, channel_args=_CHANNEL_ARGS))
-            for u in self.config.triton_urls
-        ]
+        await self.pool.sync()
+        self._last_sync = time.monotonic()
         await self.refresh(force=True)
         self._health_task = asyncio.create_task(self._health_loop(), name="triton-health")
 
@@ -96,9 +89,11 @@ class TritonBackend:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
-        for st in self._states:
-            with contextlib.suppress(Exception):
-                await st.client.close()
+        await self.pool.close()
+
+    @property
+    def _states(self) -> list[BackendState]:
+        return self.pool.replicas
 
     # -- health ---------------------------------------------------------------------------------
 
@@ -106,13 +101,15 @@ class TritonBackend:
         while True:
             await asyncio.sleep(self.config.health_interval_s)
             try:
+                if time.monotonic() - self._last_sync >= self.config.resolve_interval_s:
+                    self._last_sync = time.monotonic()
+                    await self.pool.sync()
                 await self.refresh(force=True)
             except Exception:  # never let the loop die
                 log.exception("health probe failed")
 
     async def _probe(self, st: BackendState) -> None:
         timeout = self.config.health_timeout_s
-        was_ready = st.ready
         try:
             ready = await st.client.is_server_ready(client_timeout=timeout)
             states: dict[str, str] = {}
@@ -123,19 +120,9 @@ class TritonBackend:
                 states = {m["name"]: m.get("state", "") for m in index.get("models", [])}
                 if self.config.models:
                     states = {k: v for k, v in states.items() if k in self.config.models}
-            models = {name for name, state in states.items() if state == "READY"}
-            st.ready, st.models, st.states, st.last_error = bool(ready), models, states, ""
+            self.pool.probed(st, bool(ready), states)
         except Exception as exc:  # any failure = not ready; the message is kept for /health
-            st.ready, st.models, st.states = False, set(), {}
-            st.last_error = _short(exc)
-        st.last_probe = time.monotonic()
-        if was_ready != st.ready:
-            log.warning(
-                "triton %s is now %s%s",
-                st.url,
-                "ready" if st.ready else "NOT ready",
-                f" ({st.last_error})" if st.last_error else "",
-            )
+            self.pool.probed(st, False, {}, _short(exc))
 
     async def refresh(self, force: bool = False) -> None:
         """Probe all URLs; concurrent callers share one probe, and unforced ones are rate-limited."""
@@ -162,6 +149,7 @@ class TritonBackend:
                 "ready": st.ready,
                 "models": sorted(st.models),
                 "in_flight": st.in_flight,
+                **({"draining": True} if st.draining else {}),
                 **({"error": st.last_error} if st.last_error else {}),
             }
             for st in self._states
@@ -174,8 +162,8 @@ class TritonBackend:
         await self.refresh()
         if self._candidates(model):
             return
-        if not self.any_ready():
-            raise self._unavailable()
+        if not self.any_ready() or any(model in st.models for st in self._states):
+            raise self._unavailable()  # served, but no replica can take it now
         if any(st.states.get(model) == "LOADING" for st in self._states):
             # Being loaded: worth retrying soon (an unloaded or failed model is a 404).
             raise ServiceUnavailable(
@@ -186,23 +174,19 @@ class TritonBackend:
         raise ModelNotFound(model)
 
     def _candidates(self, model: str) -> list[BackendState]:
-        return [st for st in self._states if st.ready and model in st.models]
+        return self.pool.candidates(model)
 
     def _unavailable(self) -> ServiceUnavailable:
-        errors = "; ".join(f"{st.url}: {st.last_error or 'not ready'}" for st in self._states)
+        errors = "; ".join(
+            f"{st.url}: {st.last_error or ('draining' if st.draining else 'not ready')}"
+            for st in self._states
+        )
         return ServiceUnavailable(
             f"Triton is not ready ({errors})", self.config.retry_after_s, code="triton_unavailable"
         )
 
     def _pick(self, model: str, exclude: set[str]) -> BackendState | None:
-        cands = [st for st in self._candidates(model) if st.url not in exclude]
-        if not cands:
-            return None
-        self._rr = (self._rr + 1) % (1 << 30)
-        # Least in-flight first, round-robin among equals.
-        low = min(st.in_flight for st in cands)
-        ties = [st for st in cands if st.in_flight == low]
-        return ties[self._rr % len(ties)]
+        return self.pool.pick(model, exclude)
 
     # -- inference ------------------------------------------------------------------------------
 
@@ -239,29 +223,44 @@ class TritonBackend:
         return inputs
 
     async def generate(self, model: str, job: TritonJob) -> AsyncIterator[TritonEvent]:
-        """One Triton stream for one job. Closing the generator cancels the stream at once."""
-        tried: set[str] = set()
+        """One Triton stream for one job. Closing the generator cancels the stream at once.
+
+        Until an event with text reaches the caller, a replica's failure moves the job to
+        another replica (`RetryBudget`); after that the error goes to the caller, which ends
+        the client's stream with an error event.
+        """
+        budget = RetryBudget(self.config.retries)
+        last_error: ProxyError | None = None
         while True:
-            st = self._pick(model, tried)
+            st = self._pick(model, budget.tried)
             if st is None:
-                if not tried:
-                    await self.check_model(model)  # raises 404 / 503 with the right message
-                    st = self._pick(model, tried)
+                if last_error is not None:
+                    raise last_error
+                await self.check_model(model)  # raises 404 / 503 with the right message
+                st = self._pick(model, budget.tried)
                 if st is None:
                     raise self._unavailable()
-            tried.add(st.url)
-            got_any = False
+            budget.tried.add(st.url)
+            started = False
             try:
                 async for event in self._stream(st, model, job):
-                    got_any = True
+                    if not started and event.final and event.finish_reason == "abort":
+                        # Aborted by the server (drain timeout, shutdown) before any text.
+                        raise ServiceUnavailable(
+                            f"generation aborted by Triton {st.url}", self.config.retry_after_s
+                        )
+                    started = started or bool(event.text) or event.canvas is not None
                     yield event
+                self.pool.report(st, Outcome.OK)
                 return
-            except ServiceUnavailable as err:
-                # Nothing received yet and this server is gone or full: another URL may serve it.
-                if err.code == "triton_unavailable":
-                    st.ready = False
-                if got_any or len(tried) >= len(self._states):
+            except ProxyError as err:
+                outcome = classify(err)
+                self.pool.report(st, outcome, err.message)
+                if started or not budget.allows_another(outcome):
                     raise
+                last_error = err
+                st.retried_away += 1
+                log.warning("retrying %s elsewhere after %s: %s", job.request_id, st.url, err)
 
     async def _stream(
         self, st: BackendState, model: str, job: TritonJob
@@ -285,6 +284,7 @@ class TritonBackend:
 
         call = st.client.stream_infer(requests(), stream_timeout=self.config.request_timeout_s)
         st.in_flight += 1
+        st.attempts += 1
         self.streams_opened += 1
         complete = False
         try:

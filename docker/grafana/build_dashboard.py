@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 OUT = Path(__file__).resolve().parent / "dashboards" / "dlm-triton.json"
+# Kustomize reads files only under its own directory, so the Kubernetes monitoring component
+# ships a copy (docker/kubernetes/components/monitoring); written and checked with the original.
+K8S_COPY = OUT.parents[2] / "kubernetes" / "components" / "monitoring" / "dlm-triton.json"
 DATASOURCE = {"type": "prometheus", "uid": "dlm-prometheus"}
 
 # Our metrics (dlm_triton/metrics.py, openai_proxy/app.py) and Triton's own (nv_*), by role.
@@ -248,13 +251,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     text = render()
     if args.check:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"stale: {OUT} (run python {Path(__file__).name})", file=sys.stderr)
-            return 1
+        for out in (OUT, K8S_COPY):
+            if not out.exists() or out.read_text() != text:
+                print(f"stale: {out} (run python {Path(__file__).name})", file=sys.stderr)
+                return 1
         return 0
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
-    print(OUT)
+    for out in (OUT, K8S_COPY):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        print(out)
     return 0
 
 
