@@ -3,7 +3,8 @@
 Starts N tritonservers for one model (the launcher, as `dlm-triton serve --no-proxy` does), one
 OpenAI proxy over all of them, sends the same fixed number of requests at a fixed concurrency,
 and prints one JSON line per replica count: requests/s, completion tokens/s, latency
-percentiles, and how the proxy spread the requests (its per-replica counters)::
+percentiles, and how the proxy spread the requests (its per-replica counters). The requests
+are tiny-dlm's held-out chat tasks (dlm_engine/training/tasks.py)::
 
     python benchmarks/replicas.py --replicas 1,2,3 --requests 48 --concurrency 6
 
@@ -30,6 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dlm_engine.training import tasks  # noqa: E402
 from dlm_triton.launcher import Ports, TritonServerProcess, free_port  # noqa: E402
 from dlm_triton.procs import http_ok, terminate  # noqa: E402
 
@@ -61,11 +63,14 @@ def run_one(
     tokens = 0
     errors = 0
 
+    # tiny-dlm's own tasks (copy, sort, add ...): real answers of a few to tens of tokens.
+    questions = [tasks.messages_for(ex) for ex in tasks.heldout_examples(n)]
+
     def call(i: int) -> tuple[float, int, bool]:
         t0 = time.perf_counter()
         r = httpx.post(
-            base + "/v1/completions",
-            json={"model": model, "prompt": f"request {i}:", **body},
+            base + "/v1/chat/completions",
+            json={"model": model, "messages": questions[i], **body},
             timeout=600,
         )
         ok = r.status_code == 200

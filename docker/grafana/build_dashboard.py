@@ -34,6 +34,11 @@ M = {
     "steps_per_request": "dlm_steps_per_request",  # histogram
     "proxy_requests": "dlm_proxy_requests_total",  # counter, labels route, status
     "proxy_in_flight": "dlm_proxy_in_flight_requests",  # gauge
+    # Per Triton replica, as the proxy sees it (openai_proxy/replicas.py), label replica.
+    "replica_in_flight": "dlm_proxy_replica_in_flight",  # gauge
+    "replica_up": "dlm_proxy_replica_up",  # gauge, 1 while it gets new requests
+    "replica_failures": "dlm_proxy_replica_failures_total",  # counter
+    "replica_retries": "dlm_proxy_replica_retries_total",  # counter
     "nv_pending": "nv_inference_pending_request_count",
     "nv_gpu_util": "nv_gpu_utilization",
     "nv_gpu_mem_used": "nv_gpu_memory_used_bytes",
@@ -224,6 +229,30 @@ def build() -> dict[str, Any]:
         [(f"sum({M['proxy_in_flight']})", "in flight")],
         "short",
         "Chat and completion calls being served (streams included).",
+    )
+    g.timeseries(
+        "Requests in flight per Triton replica",
+        [
+            (f"sum by (replica) ({M['replica_in_flight']})", "{{replica}}"),
+            (f"sum({M['replica_up']})", "replicas in use"),
+        ],
+        "short",
+        "What the proxy balances on (fewest in flight first), and how many replicas get work.",
+    )
+    g.timeseries(
+        "Replica failures and retries/s",
+        [
+            (
+                f"sum by (replica) (rate({M['replica_failures']}[$__rate_interval]))",
+                "failed {{replica}}",
+            ),
+            (
+                f"sum by (replica) (rate({M['replica_retries']}[$__rate_interval]))",
+                "moved away {{replica}}",
+            ),
+        ],
+        "reqps",
+        "Streams that broke on a replica, and requests moved to another before any token.",
     )
     return {
         "uid": "dlm-triton",
