@@ -293,3 +293,16 @@ def test_server_abort_before_text_is_retried() -> None:
     backend = backend_with({"a:1": aborted, "b:1": events("ok")})
     backend.pool.replicas[1].in_flight = 1
     assert asyncio.run(collect(backend)) == "ok"
+
+
+def test_proxy_metrics_endpoint_has_a_series_per_replica() -> None:
+    from fastapi.testclient import TestClient
+
+    from openai_proxy.app import create_app
+
+    dead = "127.0.0.1:9"  # discard port: nothing answers gRPC there
+    cfg = ProxyConfig(triton_urls=[dead, "dns:localhost:19"], health_timeout_s=0.5)
+    with TestClient(create_app(cfg)) as client:
+        text = client.get("/metrics").text
+    assert f'dlm_proxy_replica_up{{replica="{dead}"}} 0' in text
+    assert 'dlm_proxy_replica_attempts_total{replica="127.0.0.1:19"} 0' in text
