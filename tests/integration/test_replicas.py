@@ -226,6 +226,7 @@ def test_load_survives_a_sigkill_and_a_sigterm_and_spreads_again(
             "requests": len(outcomes),
             "completed": sum(o.finished for o in outcomes),
             "error_after_start": sum(bool(o.error) and o.started for o in outcomes),
+            "a_after_restart": after - before,
             "per_replica": {
                 names[url]: {
                     n.removeprefix("dlm_proxy_replica_"): v
