@@ -261,8 +261,9 @@ class ReplicaPool(Generic[C]):
         return ties[next(self._rotation) % len(ties)]
 
     def report(self, replica: Replica[C], outcome: Outcome, reason: str = "") -> None:
-        """Update a replica from one attempt: failures eject it for a while (growing with each
-        failure in a row), a shutdown notice takes it out until it restarts."""
+        """Update a replica from one attempt: a failure ejects it for a while (1x, 2x, 4x ...
+        `eject_s` for each ejection without a success in between; the failures of one outage
+        count once), a shutdown notice takes it out until it restarts."""
         if outcome is Outcome.OK:
             replica.consecutive_failures = 0
             return
@@ -276,16 +277,16 @@ class ReplicaPool(Generic[C]):
             replica.draining = True
             return
         replica.failures += outcome is Outcome.FAILED
+        now = time.monotonic()
+        if now < replica.ejected_until:
+            return  # already out: failures of the same outage (its other streams) count once
         replica.consecutive_failures += 1
         backoff = min(MAX_EJECT_S, self.eject_s * 2 ** (replica.consecutive_failures - 1))
-        until = time.monotonic() + backoff
-        if until > replica.ejected_until:
-            if replica.ejected_until <= time.monotonic():
-                replica.ejections += 1
-                log.warning(
-                    "triton %s ejected for %.1fs: %s", replica.url, backoff, reason or outcome.value
-                )
-            replica.ejected_until = until
+        replica.ejected_until = now + backoff
+        replica.ejections += 1
+        log.warning(
+            "triton %s ejected for %.1fs: %s", replica.url, backoff, reason or outcome.value
+        )
         replica.ready = False  # the next probe decides when it is back
 
     # -- metrics -------------------------------------------------------------------------------
