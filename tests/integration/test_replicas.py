@@ -263,3 +263,22 @@ def test_load_survives_a_sigkill_and_a_sigterm_and_spreads_again(
             assert left == ([], []), f"launcher left behind {left}"
     for s in servers:
         assert server_leftovers(s) == ([], []), s.last_stop
+
+
+def test_dns_entry_serves_through_every_resolved_address(
+    triton_server: TritonServerProcess, tmp_path: Path
+) -> None:
+    """`dns:localhost:PORT` (how the proxy follows a headless Service): each address localhost
+    resolves to is a replica; the one where Triton listens serves, any other stays out."""
+    port = triton_server.urls["grpc"].rsplit(":", 1)[1]
+    proxy = ProxyProcess([f"dns:localhost:{port}"], log_path=tmp_path / "proxy.log").start()
+    try:
+        ipv4 = f"127.0.0.1:{port}"
+        wait_until(lambda: replica_value(proxy, "up", ipv4) == 1, 30, "the resolved replica")
+        r = proxy.client().completions.create(model=MODEL, prompt="hello", max_tokens=8)
+        assert r.choices[0].finish_reason in ("stop", "length")
+        assert replica_value(proxy, "attempts_total", ipv4) == 1
+        others = {u for (_, u) in metric_lines(proxy)} - {ipv4}
+        assert all(replica_value(proxy, "up", u) == 0 for u in others)  # e.g. [::1]: no server
+    finally:
+        assert proxy.stop() == 0
