@@ -244,6 +244,16 @@ class ReplicaPool(Generic[C]):
                 f" ({error})" if error else "",
             )
 
+    def why_not_usable(self, replica: Replica[C]) -> str:
+        """For 503 messages and /health: what keeps the replica out now."""
+        if replica.draining:
+            return "draining"
+        if replica.last_error:
+            return replica.last_error
+        if time.monotonic() < replica.ejected_until:
+            return "ejected after a failure"
+        return "ready" if replica.ready else "not ready"
+
     # -- choice --------------------------------------------------------------------------------
 
     def candidates(self, model: str) -> list[Replica[C]]:

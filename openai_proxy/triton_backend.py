@@ -177,10 +177,7 @@ class TritonBackend:
         return self.pool.candidates(model)
 
     def _unavailable(self) -> ServiceUnavailable:
-        errors = "; ".join(
-            f"{st.url}: {st.last_error or ('draining' if st.draining else 'not ready')}"
-            for st in self._states
-        )
+        errors = "; ".join(f"{st.url}: {self.pool.why_not_usable(st)}" for st in self._states)
         return ServiceUnavailable(
             f"Triton is not ready ({errors})", self.config.retry_after_s, code="triton_unavailable"
         )

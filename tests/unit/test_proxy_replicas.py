@@ -65,6 +65,7 @@ def test_failed_replica_is_ejected_then_back_after_its_backoff(
     pool.report(a, Outcome.FAILED, "socket closed")
     assert a.failures == 1 and a.ejections == 1
     pool.probed(a, True, {MODEL: "READY"})  # a probe says ready, but the ejection holds
+    assert pool.why_not_usable(a) == "ejected after a failure"
     assert [pool.pick(MODEL) for _ in range(4)] == [b] * 4
     clock[0] += 5.1
     assert a in [pool.pick(MODEL) for _ in range(4)]
@@ -83,6 +84,7 @@ def test_draining_replica_is_skipped_until_a_probe_finds_it_down() -> None:
     a, b = pool.replicas
     pool.report(a, Outcome.DRAINING, "overloaded: the server is shutting down")
     pool.probed(a, True, {MODEL: "READY"})  # still up while it drains
+    assert pool.why_not_usable(a) == "draining"
     assert {pool.pick(MODEL).url for _ in range(4)} == {"b:1"}
     pool.probed(a, False, {}, "connection refused")  # it stopped
     pool.probed(a, True, {MODEL: "READY"})  # and a fresh server came up at that address
