@@ -245,6 +245,9 @@ def test_load_survives_a_sigkill_and_a_sigterm_and_spreads_again(
             if o.error:
                 assert "Triton" in o.error or "unavailable" in o.error.lower(), o.error
         assert after > before, "the restarted replica gets requests again"
+        # B was stopped the graceful way: none of its streams broke (its drain let them end).
+        assert replica_value(proxy, "failures_total", urls["b"]) == 0
+        assert replica_value(proxy, "failures_total", urls["c"]) == 0
         assert replica_value(proxy, "attempts_total", urls["c"]) > 0
     finally:
         if load is not None:
