@@ -28,6 +28,26 @@ DEFAULT_THRESHOLD = 0.9
 MAX_STOP_STRINGS = 16
 MAX_BLOCK_DEFAULT = 32
 
+# ---- numeric safety (issue 13) --------------------------------------------------------------
+# Every accepted value must keep a step finite for every row. A positive temperature or
+# alg_temp below MIN_POSITIVE_TEMPERATURE runs as that floor (dividing logits by 1e-300
+# overflows to inf and NaN; at 1e-4 the draw is already the argmax); cfg_scale is capped
+# because (scale + 1) * (cond - uncond) overflows half precision, and alg_temp like temperature
+# (a float32 confidence divided by 1e300 is 0, and -inf / inf is NaN).
+MIN_POSITIVE_TEMPERATURE = 1e-4
+MAX_TEMPERATURE = 100.0
+MAX_CFG_SCALE = 100.0
+
+
+def numerically_safe(value: float | None) -> float | None:
+    """A positive temperature-like value raised to the floor; 0 and None unchanged."""
+    if value is None or value <= 0:
+        return value
+    return max(value, MIN_POSITIVE_TEMPERATURE)
+
+
+# ----------------------------------------------------------------------------------------------
+
 ALIASES = {
     "gen_length": "max_tokens",
     "max_new_tokens": "max_tokens",
@@ -219,16 +239,16 @@ def resolve(
         raise InvalidRequestError(
             "threshold", f"needs a confidence in [0, 1]; algorithm {algorithm} has none"
         )
-    if not 0.0 <= p.temperature <= 100.0:
-        raise InvalidRequestError("temperature", "must be in [0, 100]")
+    if not 0.0 <= p.temperature <= MAX_TEMPERATURE:
+        raise InvalidRequestError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}]")
     if p.top_p is not None and not 0.0 < p.top_p <= 1.0:
         raise InvalidRequestError("top_p", "must be in (0, 1]")
     if p.top_k is not None and p.top_k < 0:
         raise InvalidRequestError("top_k", "must be >= 0 (0 disables)")
-    if p.alg_temp is not None and p.alg_temp < 0:
-        raise InvalidRequestError("alg_temp", "must be >= 0")
-    if p.cfg_scale < 0:
-        raise InvalidRequestError("cfg_scale", "must be >= 0")
+    if p.alg_temp is not None and not 0.0 <= p.alg_temp <= MAX_TEMPERATURE:
+        raise InvalidRequestError("alg_temp", f"must be in [0, {MAX_TEMPERATURE:g}]")
+    if not 0.0 <= p.cfg_scale <= MAX_CFG_SCALE:
+        raise InvalidRequestError("cfg_scale", f"must be in [0, {MAX_CFG_SCALE:g}]")
     if p.cfg_scale > 0 and family != "llada":
         raise InvalidRequestError(
             "cfg_scale", "classifier-free guidance is supported for LLaDA only"
@@ -247,10 +267,10 @@ def resolve(
         block_length=block,
         algorithm=algorithm,
         threshold=threshold,
-        temperature=p.temperature,
+        temperature=numerically_safe(p.temperature),
         top_p=p.top_p,
         top_k=p.top_k or None,
-        alg_temp=p.alg_temp or None,
+        alg_temp=numerically_safe(p.alg_temp) or None,
         cfg_scale=p.cfg_scale,
         seed=p.seed,
         stop=tuple(p.stop),

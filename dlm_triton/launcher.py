@@ -11,6 +11,7 @@ on their command lines are removed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -36,6 +37,7 @@ from dlm_triton.procs import (
     terminate,
 )
 from dlm_triton.server_dist import ServerDist, find_server
+from dlm_triton.supervisor import Supervisor
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -164,6 +166,9 @@ class TritonServerProcess:
         self._run_dir: Path | None = None
         self.drain_file: Path | None = None
         self.drain_timeout_s = 0.0
+        self.restarts = 0  # times the supervisor brought a dead model back
+        self._supervisor: Supervisor | None = None
+        self.restart_log: list[dict[str, object]] = []
 
     # ----------------------------------------------------------------- model choice
     def _overrides(self) -> dict[str, str]:
@@ -230,6 +235,19 @@ class TritonServerProcess:
         """Start the server, wait until the model is ready, then start the proxy."""
         self.dist = self.dist or find_server()
         self.choice = self._choose_model()
+        try:
+            self._spawn()
+            self._wait_ready()
+            if self.want_proxy:
+                self._start_proxy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self) -> None:
+        """Start tritonserver (not waiting for it); also used by :meth:`restart`."""
+        assert self.dist is not None and self.choice is not None
         config_name = model_repo.CPU_CONFIG_NAME if self.device == "cpu" else None
         cmd = self.dist.command(
             self.choice.repository,
@@ -250,32 +268,27 @@ class TritonServerProcess:
         else:
             default = max(1.0, self.exit_timeout_s / 2)  # inside Triton's exit timeout
             self.drain_timeout_s = float(os.environ.get("DLM_DRAIN_TIMEOUT", default))
-        self._run_dir = Path(tempfile.mkdtemp(prefix="dlm-triton-run-"))
+        if self._run_dir is None:
+            self._run_dir = Path(tempfile.mkdtemp(prefix="dlm-triton-run-"))
         self.drain_file = self._run_dir / "drain"
         env = {
             **self.dist.env,
             **self.choice.env,
             "DLM_DRAIN_TIMEOUT": str(self.drain_timeout_s),
             "DLM_DRAIN_FILE": str(self.drain_file),
+            "DLM_RESTARTS": str(self.restarts),  # the model's dlm_model_restarts_total
         }
         out = None
-        if self.log_path is not None:
+        if self.log_path is not None and self._log_file is None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log_file = out = open(self.log_path, "ab")  # noqa: SIM115 - kept for the run
+            self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - kept for the run
+        out = self._log_file
         # Own session: Ctrl-C in a terminal must not reach the server before the proxy drains.
         self.server = subprocess.Popen(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
             start_new_session=True,
             preexec_fn=term_with_parent if self.die_with_parent else None,
         )  # fmt: skip
-        try:
-            self._wait_ready()
-            if self.want_proxy:
-                self._start_proxy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def _wait_ready(self) -> None:
         assert self.server is not None and self.choice is not None
@@ -357,6 +370,9 @@ class TritonServerProcess:
 
     def stop(self) -> None:
         """Proxy first (drain), then the server (bounded wait, SIGKILL), stubs, shm files."""
+        if self._supervisor is not None:
+            self._supervisor.stop()
+            self._supervisor = None
         with self._lock:
             if self.proxy is not None:
                 terminate(self.proxy, timeout=PROXY_DRAIN_S)
@@ -369,21 +385,7 @@ class TritonServerProcess:
                 report = {"drained": drained, "server_exit": self.server.returncode}
                 report["server_killed"] = killed
                 report["stop_s"] = round(time.monotonic() - t0, 2)
-                with suppress():  # anything else left in the server's own session
-                    os.killpg(self.server.pid, signal.SIGKILL)
-                leftover = self.stub_pids()
-                report["stubs_killed"] = len(leftover)
-                for pid in leftover:
-                    with suppress():
-                        os.kill(pid, signal.SIGKILL)
-                deadline = time.monotonic() + 5
-                while self.stub_pids() and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                shm = self.shm_files()
-                report["shm_removed"] = len(shm)
-                for path in shm:
-                    with suppress():
-                        path.unlink()
+                report.update(self._kill_leftovers())
                 self.last_stop = report
                 self.server = None
             if self._run_dir is not None:
@@ -395,6 +397,59 @@ class TritonServerProcess:
             if self._log_file is not None:
                 self._log_file.close()
                 self._log_file = None
+
+    def _kill_leftovers(self) -> dict[str, int]:
+        """SIGKILL what is left of the server's session and its stubs; remove their shm."""
+        assert self.server is not None
+        with suppress():  # anything else left in the server's own session
+            os.killpg(self.server.pid, signal.SIGKILL)
+        leftover = self.stub_pids()
+        for pid in leftover:
+            with suppress():
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while self.stub_pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        shm = self.shm_files()
+        for path in shm:
+            with suppress():
+                path.unlink()
+        return {"stubs_killed": len(leftover), "shm_removed": len(shm)}
+
+    # ----------------------------------------------------------------- supervision
+    def dead_reason(self) -> str | None:
+        """Why the served model is dead (tritonserver exited, a stub died), or None."""
+        server = self.server
+        if server is None or self.stop_requested.is_set():
+            return None
+        if server.poll() is not None:
+            return f"tritonserver exited with {server.returncode}"
+        self._record_stubs()
+        for pid, cmd in list(self._stubs.items()):
+            if not alive(pid) or cmdline(pid) != cmd:
+                return f"model stub {pid} died"
+        return None
+
+    def restart(self, reason: str) -> None:
+        """Bring a dead model back: SIGKILL the server at once (a dead stub's requests would
+        hang until Triton's exit timeout; killed, every client connection ends now with an
+        error), remove its stubs and shm, start it again on the same ports, wait ready."""
+        with self._lock:
+            if self.server is None or self.stop_requested.is_set():
+                return
+            t0 = time.monotonic()
+            with suppress():
+                self.server.kill()
+            with suppress(), contextlib.suppress(subprocess.TimeoutExpired):
+                self.server.wait(timeout=10)
+            cleaned = self._kill_leftovers()
+            self._stubs.clear()
+            self.restarts += 1
+            self._spawn()
+        self._wait_ready()
+        self.restart_log.append(
+            {"reason": reason, "restart_s": round(time.monotonic() - t0, 2), **cleaned}
+        )
 
     def _drain(self) -> bool:
         """Ask the model to finish (or abort) its requests before SIGTERM.
@@ -429,14 +484,19 @@ class TritonServerProcess:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self.stop_requested.set())
 
+    def supervise(self) -> Supervisor:
+        """Watch the server and its stubs from now on; a death restarts the server."""
+        if self._supervisor is None:
+            self._supervisor = Supervisor(self).start()
+        return self._supervisor
+
     def serve_forever(self) -> int:
-        """Block until Ctrl-C / SIGTERM or the server dies; then stop everything."""
+        """Block until Ctrl-C / SIGTERM or the proxy dies (a dead model is restarted by the
+        supervisor); then stop everything."""
         self.install_signal_handlers()
+        self.supervise()
         try:
             while not self.stop_requested.wait(1.0):
-                if not self.running():
-                    print("tritonserver exited unexpectedly", file=sys.stderr)
-                    return 1
                 if self.proxy is not None and self.proxy.poll() is not None:
                     print("the OpenAI proxy exited unexpectedly", file=sys.stderr)
                     return 1

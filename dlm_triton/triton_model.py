@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from dlm_triton.intake import Intake
 from dlm_triton.metrics import Metrics
 from dlm_triton.request_parse import PROMPT_INPUTS, RequestError, parse_request
 from dlm_triton.settings import config_parameters, resolve_settings
@@ -97,6 +98,8 @@ class TritonPythonModel:
         self.engine = Engine(EngineConfig(**{k: v for k, v in wanted.items() if k in accepted}))
         self.instance_name = args.get("model_instance_name", "0")
         self.metrics = Metrics(pb_utils, self.model_name, self.instance_name)
+        # the launcher counts restarts across server lives and hands the count to each one
+        self.metrics.restarts.increment(int(os.environ.get("DLM_RESTARTS") or 0))
 
         self._live: dict[str, _Live] = {}
         self._live_lock = threading.Lock()
@@ -105,6 +108,7 @@ class TritonPythonModel:
         self._closing = False
         self._stop = threading.Event()
         self.loop = EngineLoop(self.engine, on_step=self._on_step)
+        self._intake = Intake()
         self._sender = threading.Thread(target=self._send_loop, name="dlm-sender", daemon=True)
         self._watcher = threading.Thread(target=self._watch_loop, name="dlm-watch", daemon=True)
         self._sender.start()
@@ -127,6 +131,7 @@ class TritonPythonModel:
         and end every request still open with a final response."""
         self._closing = True
         started = time.monotonic()
+        self._intake.shutdown()  # large requests being parsed end (refused) before the drain
         pb_utils.Logger.log_info(
             f"dlm model {self.model_name}: finalize, {len(self._live)} in flight"
         )
@@ -154,20 +159,26 @@ class TritonPythonModel:
     # ------------------------------------------------------------------ requests
     def execute(self, requests: list) -> None:
         for request in requests:
-            self._accept(request)
+            t0 = time.monotonic()
+            try:
+                inputs = self._inputs(request)
+            except Exception as exc:  # any failure must still end the request
+                self._reject(request.get_response_sender(), f"internal error: {exc}", "error")
+                continue
+            # a large prompt is parsed and tokenized on a worker, never before small ones
+            self._intake.accept(inputs, lambda r=request, i=inputs, t=t0: self._accept(r, i, t))
         return None
 
-    def _accept(self, request: Any) -> None:
+    def _accept(self, request: Any, inputs: dict[str, np.ndarray], t0: float) -> None:
         from dlm_engine import InvalidRequestError, SamplingParams
 
         sender = request.get_response_sender()
-        t0 = time.monotonic()
         try:
             if self._closing:
                 raise _Refused("overloaded: the server is shutting down")
             if len(self._live) >= self.settings.max_queue:
                 raise _Refused(f"overloaded: {len(self._live)} requests in flight, try again later")
-            parsed = parse_request(self._inputs(request), request.parameters())
+            parsed = parse_request(inputs, request.parameters())
             params = self.engine.resolve_params(SamplingParams.from_dict(parsed.sampling))
             prompt_ids = self.engine.encode_prompt(
                 **{_ENCODE_KW[parsed.prompt_kind]: parsed.prompt}
