@@ -21,8 +21,8 @@ from torch import nn
 
 from .cuda_graphs import GraphCache, round_up
 from .decoding import RowDecode, RowIndex, propose, select_transfers
-from .kv_cache import KVPool, RefreshKV, SpanKV
 from .decoding.proposals import safe_probabilities
+from .kv_cache import KVPool, RefreshKV, SpanKV
 from .models.common import ForwardBatch, FusedKernels
 from .row_guard import RowGuard
 from .sequence import Sequence

@@ -46,4 +46,3 @@ class Intake:
     def shutdown(self) -> None:
         """Finish what was handed over (each ends its request), then stop."""
         self._pool.shutdown(wait=True)
-

@@ -291,16 +291,20 @@ class TritonServerProcess:
         )  # fmt: skip
 
     def _wait_ready(self) -> None:
-        assert self.server is not None and self.choice is not None
+        if self.server is None or self.choice is None:
+            raise StartAborted("stopped before the server was ready")
         base = f"http://127.0.0.1:{self.ports.http}"
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             self._record_stubs()
             if self.stop_requested.is_set():
                 raise StartAborted("stop requested while the model was loading")
-            if self.server.poll() is not None:
+            server = self.server
+            if server is None:
+                raise StartAborted("stopped while the model was loading")
+            if server.poll() is not None:
                 raise RuntimeError(
-                    f"tritonserver exited with {self.server.returncode} while loading "
+                    f"tritonserver exited with {server.returncode} while loading "
                     f"{self.choice.name}{self._log_tail()}"
                 )
             if http_ok(f"{base}/v2/health/ready") and http_ok(

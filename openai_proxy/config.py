@@ -53,6 +53,8 @@ class ProxyConfig:
     cors_origins: list[str] = field(default_factory=list)
     # Whole-request timeout (seconds) for one Triton stream.
     request_timeout_s: float = 600.0
+    # A Triton stream that sends nothing for this long is ended (504 / SSE error event).
+    stream_idle_timeout_s: float = 300.0
     # Timeout for health and index calls to Triton.
     health_timeout_s: float = 2.0
     # How often each Triton URL is probed for readiness and its model list.
@@ -85,7 +87,12 @@ class ProxyConfig:
         for name in ("max_tokens_limit", "max_n", "max_fanout", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("request_timeout_s", "health_timeout_s", "health_interval_s"):
+        for name in (
+            "request_timeout_s",
+            "stream_idle_timeout_s",
+            "health_timeout_s",
+            "health_interval_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.first_event_wait_s < 0 or self.drain_timeout_s < 0:
@@ -149,6 +156,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="allowed CORS origin ('*' for any); repeat for several",
     )
     p.add_argument("--request-timeout", type=float, dest="request_timeout_s")
+    p.add_argument("--stream-idle-timeout", type=float, dest="stream_idle_timeout_s")
     p.add_argument("--health-timeout", type=float, dest="health_timeout_s")
     p.add_argument("--health-interval", type=float, dest="health_interval_s")
     p.add_argument("--first-event-wait", type=float, dest="first_event_wait_s")

@@ -32,6 +32,7 @@ from .errors import (
     UpstreamTimeout,
     from_triton_message,
 )
+from .idle import idle_timeout
 
 log = logging.getLogger("openai_proxy.triton")
 
@@ -288,7 +289,8 @@ class TritonBackend:
         self.streams_opened += 1
         complete = False
         try:
-            async for result, error in call:
+            idle_s = self.config.stream_idle_timeout_s
+            async for result, error in idle_timeout(call, idle_s, lambda: _idle_error(idle_s)):
                 if error is not None:
                     self.stream_errors += 1
                     raise from_triton_message(error.message(), self.config.retry_after_s)
@@ -422,6 +424,10 @@ def decode_result(result: InferResult) -> TritonEvent:
         canvas=canvas,
         final=final,
     )
+
+
+def _idle_error(idle_s: float) -> UpstreamTimeout:
+    return UpstreamTimeout(f"Triton sent nothing for {idle_s:g} s", code="upstream_idle")
 
 
 def _short(exc: BaseException) -> str:

@@ -135,7 +135,11 @@ def test_exception_in_a_rows_policy_fails_that_row_only(
 
 
 def test_rejected_values_name_their_field(engine: Engine) -> None:
-    for key, value in [("cfg_scale", 1e300), ("temperature", 101), ("alg_temp", 1e300), ("alg_temp", -1)]:
+    for key, value in [
+        ("cfg_scale", 1e300),
+        ("temperature", 101),
+        ("alg_temp", 1e300),
+        ("alg_temp", -1),
+    ]:
         with pytest.raises(ValueError, match=f"invalid request: {key}:"):
             engine.resolve_params({key: value})
-
