@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -23,12 +23,9 @@ from reliability_stack import (
     long_runs,
     metric_value,
     proxy_stream,
-    require_triton,
-    start_stack,
     status_of,
 )
 
-from dlm_engine.testing import make_tiny_checkpoint
 from dlm_triton.launcher import TritonServerProcess
 
 pytestmark = pytest.mark.integration
@@ -37,18 +34,6 @@ pytestmark = pytest.mark.integration
 LONG = {"max_tokens": 1024, "steps": 1024, "block_length": 32, "suppress_eos": True}
 ERROR_WITHIN_S = 30
 RECOVER_WITHIN_S = 180
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServerProcess]:
-    require_triton()
-    root = tmp_path_factory.mktemp("death")
-    server = start_stack(make_tiny_checkpoint(root / "ckpt", "llada", seed=3), root)
-    server.supervise()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _grpc_outcome(client: DLMClient) -> tuple[str | None, float]:
