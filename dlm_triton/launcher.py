@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dlm_triton import model_repo
+from dlm_triton import admin_key, model_repo
 from dlm_triton.procs import (
     alive,
     cmdline,
@@ -137,6 +137,8 @@ class TritonServerProcess:
         drain_timeout_s: float | None = None,
         dist: ServerDist | None = None,
         verbose: bool = False,
+        restrict_admin: bool = True,
+        admin_key_file: Path | None = None,
     ) -> None:
         self.model = model
         self.device = ("cuda" if has_gpu() else "cpu") if device == "auto" else device
@@ -154,6 +156,9 @@ class TritonServerProcess:
         self.stop_timeout_s = exit_timeout_s + 10.0  # Triton's own wait, then SIGKILL
         self.gpu_metrics = self.device.startswith("cuda") if gpu_metrics is None else gpu_metrics
         self.verbose = verbose
+        # Triton's admin APIs need the key in this file (see dlm_triton/admin_key.py)
+        self.restrict_admin = restrict_admin
+        self.admin_key_file: Path | None = admin_key_file
         self.dist = dist
         self.choice: ModelChoice | None = None
         self.server: subprocess.Popen | None = None
@@ -260,6 +265,7 @@ class TritonServerProcess:
             gpu_metrics=self.gpu_metrics,
             log_verbose=1 if self.verbose else 0,
             exit_timeout_s=self.exit_timeout_s,
+            extra_args=self._admin_args(),
         )
         # The model drains running requests in finalize(); it must end within Triton's exit
         # timeout or Triton gives up (exit 1) and the stubs are orphaned.
@@ -290,6 +296,20 @@ class TritonServerProcess:
             preexec_fn=term_with_parent if self.die_with_parent else None,
         )  # fmt: skip
 
+    def _admin_args(self) -> list[str]:
+        if not self.restrict_admin:
+            return []
+        self.admin_key_file, key = admin_key.read_or_create(self.admin_key_file)
+        return admin_key.server_args(key)
+
+    def admin_headers(self, protocol: str = "http") -> dict[str, str]:
+        """Headers (``http``) or gRPC metadata (``grpc``) that unlock Triton's admin APIs on
+        this server; empty if unrestricted."""
+        if not self.restrict_admin or self.admin_key_file is None:
+            return {}
+        name = admin_key.GRPC_HEADER if protocol == "grpc" else admin_key.HEADER
+        return {name: admin_key.read_or_create(self.admin_key_file)[1]}
+
     def _wait_ready(self) -> None:
         if self.server is None or self.choice is None:
             raise StartAborted("stopped before the server was ready")
@@ -318,6 +338,8 @@ class TritonServerProcess:
     def _start_proxy(self) -> None:
         assert self.choice is not None
         cmd = proxy_command(self.ports, self.choice.name, self.address)
+        if cmd is not None and self.restrict_admin and self.admin_key_file is not None:
+            cmd += ["--triton-admin-key-file", str(self.admin_key_file)]
         if cmd is None:
             print("openai_proxy has no entry point yet: serving Triton only", file=sys.stderr)
             return

@@ -10,6 +10,7 @@ import argparse
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 ENV_PREFIX = "DLM_PROXY_"
 
@@ -53,6 +54,9 @@ class ProxyConfig:
     cors_origins: list[str] = field(default_factory=list)
     # Whole-request timeout (seconds) for one Triton stream.
     request_timeout_s: float = 600.0
+    # File holding the key of Triton's restricted admin APIs (the repository index the health
+    # probe reads); sent as the `dlm-admin-key` header. Empty: no header.
+    triton_admin_key_file: str = ""
     # A Triton stream that sends nothing for this long is ended (504 / SSE error event).
     stream_idle_timeout_s: float = 300.0
     # Timeout for health and index calls to Triton.
@@ -95,6 +99,8 @@ class ProxyConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.triton_admin_key_file and not Path(self.triton_admin_key_file).is_file():
+            raise ValueError(f"triton_admin_key_file {self.triton_admin_key_file} is not a file")
         if self.first_event_wait_s < 0 or self.drain_timeout_s < 0:
             raise ValueError("first_event_wait_s and drain_timeout_s must be >= 0")
 
@@ -156,6 +162,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="allowed CORS origin ('*' for any); repeat for several",
     )
     p.add_argument("--request-timeout", type=float, dest="request_timeout_s")
+    p.add_argument(
+        "--triton-admin-key-file",
+        help="file with the key of Triton's restricted admin APIs (DLM_PROXY_TRITON_ADMIN_KEY_FILE)",
+    )
     p.add_argument("--stream-idle-timeout", type=float, dest="stream_idle_timeout_s")
     p.add_argument("--health-timeout", type=float, dest="health_timeout_s")
     p.add_argument("--health-interval", type=float, dest="health_interval_s")

@@ -23,6 +23,7 @@ from tritonclient.grpc import InferInput, InferResult
 from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException
 
+from .admin_key import admin_headers
 from .config import ProxyConfig
 from .converters import TritonEvent, TritonJob
 from .errors import (
@@ -119,7 +120,7 @@ class TritonBackend:
             states: dict[str, str] = {}
             if ready:
                 index = await st.client.get_model_repository_index(
-                    as_json=True, client_timeout=timeout
+                    as_json=True, client_timeout=timeout, headers=admin_headers(self.config)
                 )
                 states = {m["name"]: m.get("state", "") for m in index.get("models", [])}
                 if self.config.models:
