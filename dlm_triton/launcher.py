@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -172,6 +173,10 @@ class TritonServerProcess:
         self.drain_file: Path | None = None
         self.drain_timeout_s = 0.0
         self.restarts = 0  # times the supervisor brought a dead model back
+        # This server's own shm region prefix: its regions are found (and removed) by name on
+        # every exit path, also when it dies before a stub command line was ever seen.
+        self.shm_prefix = f"{SHM_PREFIX}_dlm{os.getpid()}_{secrets.token_hex(4)}_"
+        self._shm_config = f"shm-region-prefix-name={self.shm_prefix}"
         self._supervisor: Supervisor | None = None
         self.restart_log: list[dict[str, object]] = []
 
@@ -265,7 +270,7 @@ class TritonServerProcess:
             gpu_metrics=self.gpu_metrics,
             log_verbose=1 if self.verbose else 0,
             exit_timeout_s=self.exit_timeout_s,
-            extra_args=self._admin_args(),
+            extra_args=[*self._admin_args(), f"--backend-config=python,{self._shm_config}"],
         )
         # The model drains running requests in finalize(); it must end within Triton's exit
         # timeout or Triton gives up (exit 1) and the stubs are orphaned.
@@ -388,6 +393,7 @@ class TritonServerProcess:
         """``/dev/shm`` regions named on this server's stub command lines that still exist."""
         names = {a for cmd in self._stubs.values() for a in cmd if a.startswith(SHM_PREFIX)}
         names |= {a.lstrip("/") for cmd in self._stubs.values() for a in cmd if SHM_PREFIX in a}
+        names |= {p.name for p in SHM_DIR.glob(f"{self.shm_prefix}*")}
         return [SHM_DIR / n for n in sorted(names) if (SHM_DIR / n).exists()]
 
     # ----------------------------------------------------------------- stop
