@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,3 +116,42 @@ def metric_value(server: TritonServerProcess, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+class ExtraProxy:
+    """One more proxy process in front of the stack's Triton (own flags); stopped by PID."""
+
+    def __init__(self, server: TritonServerProcess, *args: str) -> None:
+        from dlm_triton.launcher import free_port
+
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        key = (
+            ["--triton-admin-key-file", str(server.admin_key_file)] if server.admin_key_file else []
+        )
+        self.cmd = [
+            sys.executable, "-m", "openai_proxy",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--triton-url", server.urls["grpc"], "--model", MODEL,
+            "--health-interval", "0.5", "--log-level", "warning", *key, *args,
+        ]  # fmt: skip
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> ExtraProxy:
+        self.proc = subprocess.Popen(self.cmd, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while status_of(self.base_url + "/health") != 200:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError("the extra proxy did not become healthy")
+            time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
