@@ -543,4 +543,7 @@ def create_app(config: ProxyConfig | None = None) -> FastAPI:
             media_type="text/plain; version=0.0.4",
         )
 
+    # for openai_proxy.drain: 503 `draining` to new calls while the listener stays open
+    app.state.begin_drain = lambda: state.update(draining=True)
+    app.state.in_flight = lambda: metrics.in_flight
     return app
