@@ -96,20 +96,23 @@ def test_flood_of_megabyte_prompts_beside_a_normal_request(stack: TritonServerPr
     idle = statistics.median(timed()[0] for _ in range(3))
     megabyte = "word " * (1 << 18)  # 1.25 MB
 
-    def big(_: int) -> str:
+    def big(mb: int = 1) -> str:
         try:
-            client.generate(megabyte, max_tokens=8)
+            client.generate(megabyte * mb, max_tokens=8)
         except Exception as exc:
             return str(exc)
         return "accepted"
 
     with ThreadPoolExecutor(9) as pool:
-        flood = [pool.submit(big, i) for i in range(8)]
+        flood = [pool.submit(big) for _ in range(8)]
         time.sleep(0.05)  # the big ones go out first
         busy, text = pool.submit(timed).result(timeout=120)
         errors = [f.result(timeout=120) for f in flood]
     assert text == expected
     for error in errors:
         assert "invalid request: text_input: prompt is" in error and "bytes" in error, error
+    t0 = time.monotonic()
+    assert "bytes" in big(8)  # one 10 MB prompt straight to Triton
+    ten_mb_s = time.monotonic() - t0
     print(f"\nnormal request: idle {idle:.3f}s, beside 8 x 1.25 MB prompts {busy:.3f}s "
-          f"(ratio {busy / idle:.2f})")  # fmt: skip
+          f"(ratio {busy / idle:.2f}); one 10 MB prompt rejected in {ten_mb_s:.3f}s")  # fmt: skip
