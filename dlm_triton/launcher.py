@@ -84,12 +84,17 @@ class ModelChoice:
     runtime_dir: Path | None = None  # written by us, removed at stop
 
 
-def proxy_command(ports: Ports, model_name: str, address: str) -> list[str] | None:
-    """How to start the OpenAI proxy, or None while ``openai_proxy`` has no entry point."""
+def proxy_command(
+    ports: Ports, model_name: str, address: str, admin_key_file: Path | None = None
+) -> list[str] | None:
+    """How to start the OpenAI proxy, or None while ``openai_proxy`` has no entry point.
+    The proxy gets the admin key file (given, or the default one if it exists)."""
     import importlib.util
 
     if importlib.util.find_spec("openai_proxy.__main__") is None:
         return None
+    key_file = admin_key_file or admin_key.default_key_file()
+    key_args = ["--triton-admin-key-file", str(key_file)] if key_file.is_file() else []
     return [
         sys.executable,
         "-m",
@@ -104,6 +109,7 @@ def proxy_command(ports: Ports, model_name: str, address: str) -> list[str] | No
         model_name,
         "--triton-metrics-url",
         f"http://127.0.0.1:{ports.metrics}/metrics",
+        *key_args,
     ]
 
 
@@ -342,9 +348,8 @@ class TritonServerProcess:
 
     def _start_proxy(self) -> None:
         assert self.choice is not None
-        cmd = proxy_command(self.ports, self.choice.name, self.address)
-        if cmd is not None and self.restrict_admin and self.admin_key_file is not None:
-            cmd += ["--triton-admin-key-file", str(self.admin_key_file)]
+        key_file = self.admin_key_file if self.restrict_admin else None
+        cmd = proxy_command(self.ports, self.choice.name, self.address, key_file)
         if cmd is None:
             print("openai_proxy has no entry point yet: serving Triton only", file=sys.stderr)
             return

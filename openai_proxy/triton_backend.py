@@ -23,7 +23,7 @@ from tritonclient.grpc import InferInput, InferResult
 from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException
 
-from .admin_key import admin_headers
+from .admin_key import model_states
 from .config import ProxyConfig
 from .converters import TritonEvent, TritonJob
 from .errors import (
@@ -119,12 +119,7 @@ class TritonBackend:
             ready = await st.client.is_server_ready(client_timeout=timeout)
             states: dict[str, str] = {}
             if ready:
-                index = await st.client.get_model_repository_index(
-                    as_json=True, client_timeout=timeout, headers=admin_headers(self.config)
-                )
-                states = {m["name"]: m.get("state", "") for m in index.get("models", [])}
-                if self.config.models:
-                    states = {k: v for k, v in states.items() if k in self.config.models}
+                states = await model_states(st.client, self.config, timeout)
             models = {name for name, state in states.items() if state == "READY"}
             st.ready, st.models, st.states, st.last_error = bool(ready), models, states, ""
         except Exception as exc:  # any failure = not ready; the message is kept for /health

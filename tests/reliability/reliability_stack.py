@@ -121,14 +121,13 @@ def metric_value(server: TritonServerProcess, name: str) -> float:
 class ExtraProxy:
     """One more proxy process in front of the stack's Triton (own flags); stopped by PID."""
 
-    def __init__(self, server: TritonServerProcess, *args: str) -> None:
+    def __init__(self, server: TritonServerProcess, *args: str, with_key: bool = True) -> None:
         from dlm_triton.launcher import free_port
 
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        key = (
-            ["--triton-admin-key-file", str(server.admin_key_file)] if server.admin_key_file else []
-        )
+        key_file = server.admin_key_file if with_key else None
+        key = ["--triton-admin-key-file", str(key_file)] if key_file else []
         self.cmd = [
             sys.executable, "-m", "openai_proxy",
             "--host", "127.0.0.1", "--port", str(self.port),

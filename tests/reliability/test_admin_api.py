@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import tritonclient.grpc as grpcclient
+from reliability_stack import ExtraProxy, chat_body
 from tritonclient.utils import InferenceServerException
 
 from dlm_triton.launcher import TritonServerProcess
@@ -45,3 +46,11 @@ def test_admin_grpc_apis_need_the_key(stack: TritonServerProcess) -> None:
         assert client.is_model_ready(stack.model_name)
     finally:
         client.close()
+
+
+def test_proxy_without_the_key_falls_back_to_model_readiness(stack: TritonServerProcess) -> None:
+    """A proxy given --model but no key cannot read the index; it checks the model's
+    readiness instead and serves."""
+    with ExtraProxy(stack, with_key=False) as proxy:
+        r = httpx.post(f"{proxy.base_url}/v1/chat/completions", json=chat_body(), timeout=60)
+        assert r.status_code == 200, r.text
