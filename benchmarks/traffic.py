@@ -1,0 +1,409 @@
+"""Arrival-driven benchmark: requests arrive over time, as real clients do, not all at once.
+
+For each arrival process (all at once, fixed gaps, Poisson at a fraction of the saturated rate,
+bursts) it replays N requests against one target and reports throughput, time to the first
+stable text (TTFT), end-to-end latency p50/p95/p99 and goodput: requests per second that finish
+within a stated latency target (the SLO). Ratios against simultaneous arrivals are taken within
+the same run, so they compare like with like.
+
+Targets:
+- ``engine``: the in-process engine on ``--device`` (GPU: random bf16 weights of a published
+  architecture, ``--model random:llada-8b``; CPU: the embedded tiny-dlm by default). Random
+  weights never stop early, so each request runs its fixed schedule and the timing is honest;
+  on tiny-dlm answers are real and stop early.
+- ``triton``: a running tritonserver over gRPC streams (``--url host:8001``), one thread per
+  request, through ``dlm_client``.
+- ``proxy``: a running OpenAI proxy (``--url http://host:9000``), streamed chat completions.
+
+    python benchmarks/traffic.py --target engine --device cuda --model random:llada-8b \\
+        --requests 8,32 --caches none,dual --out traffic_out
+    python benchmarks/traffic.py --target engine --device cpu --requests 8 --out /tmp/traffic
+    python benchmarks/traffic.py --target proxy --url http://127.0.0.1:9000 --model tiny-dlm
+
+Arrival specs (``--arrivals``): ``all`` (simultaneous), ``gap:100`` (100 ms apart),
+``poisson:0.8`` (Poisson at 0.8x the saturated request rate measured by ``all`` in this run),
+``burst:4:500`` (groups of 4 every 500 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PROMPT, CANVAS, BLOCK, STEPS = 64, 256, 32, 64
+
+
+@dataclass
+class Trace:
+    """One request's life: scheduled arrival and what the client saw, seconds from run start."""
+
+    arrival: float
+    first_text: float | None = None
+    done: float | None = None
+    tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class RoundResult:
+    target: str
+    cache: str
+    requests: int
+    arrivals: str
+    slo_s: float
+    wall_s: float
+    tok_s: float
+    goodput_rps: float
+    ttft_p50: float | None
+    e2e_p50: float
+    e2e_p95: float
+    e2e_p99: float
+    failed: int
+    gpu_util: float | None = None
+    pct_peak: float | None = None
+    x_all: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+# ---- arrival processes -------------------------------------------------------------------
+def arrival_times(
+    spec: str, n: int, saturated_rps: float | None, rng: random.Random
+) -> list[float]:
+    """Seconds from the start at which each of n requests arrives."""
+    kind, *args = spec.split(":")
+    if kind == "all":
+        return [0.0] * n
+    if kind == "gap":
+        return [i * float(args[0]) / 1e3 for i in range(n)]
+    if kind == "burst":
+        size, gap = int(args[0]), float(args[1]) / 1e3
+        return [(i // size) * gap for i in range(n)]
+    if kind == "poisson":
+        if not saturated_rps:
+            raise ValueError("poisson arrivals need the saturated rate: put 'all' first")
+        rate = float(args[0]) * saturated_rps
+        t, out = 0.0, []
+        for _ in range(n):
+            out.append(t)
+            t += rng.expovariate(rate)
+        return out
+    raise ValueError(f"unknown arrival spec {spec!r}")
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+def summarise(traces: list[Trace], wall: float, slo: float) -> dict:
+    ok = [t for t in traces if t.done is not None and t.error is None]
+    e2e = [t.done - t.arrival for t in ok]
+    ttft = [t.first_text - t.arrival for t in ok if t.first_text is not None]
+    met = sum(1 for x in e2e if x <= slo)
+    return {
+        "wall_s": wall,
+        "tok_s": sum(t.tokens for t in ok) / wall if wall else 0.0,
+        "goodput_rps": met / wall if wall else 0.0,
+        "ttft_p50": statistics.median(ttft) if ttft else None,
+        "e2e_p50": percentile(e2e, 50) if e2e else float("nan"),
+        "e2e_p95": percentile(e2e, 95) if e2e else float("nan"),
+        "e2e_p99": percentile(e2e, 99) if e2e else float("nan"),
+        "failed": len(traces) - len(ok),
+    }
+
+
+# ---- GPU utilisation ---------------------------------------------------------------------
+class GpuSampler:
+    """Mean GPU utilisation over a round from nvidia-smi (None where there is none)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> GpuSampler:
+        if shutil.which("nvidia-smi"):
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"]
+                + ["-lms", "100"],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            out, _ = self.proc.communicate(timeout=10)
+            vals = [float(x) for x in out.split() if x.strip().replace(".", "").isdigit()]
+            self.mean = statistics.mean(vals) if vals else None
+        else:
+            self.mean = None
+
+
+# ---- targets -----------------------------------------------------------------------------
+def drive_engine(engine, prompts: list[list[int]], params: dict, arrivals: list[float]):
+    """Feed requests to the engine at their arrival times, stepping it in between."""
+    order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    traces = [Trace(arrivals[i]) for i in range(len(prompts))]
+    ids: dict[str, int] = {}
+    t0 = time.perf_counter()
+    nxt = 0
+    while nxt < len(order) or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while nxt < len(order) and arrivals[order[nxt]] <= now:
+            i = order[nxt]
+            ids[engine.add_request(None, prompts[i], params)] = i
+            nxt += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, arrivals[order[nxt]] - now))
+            continue
+        outs = engine.step()
+        now = time.perf_counter() - t0
+        for o in outs:
+            tr = traces[ids[o.request_id]]
+            if o.delta_text and tr.first_text is None:
+                tr.first_text = now
+            if o.finished:
+                tr.done = now
+                tr.tokens = o.completion_tokens
+                if tr.first_text is None:
+                    tr.first_text = now
+    return traces, time.perf_counter() - t0
+
+
+def drive_threads(send: Callable[[int, Trace, float], None], n: int, arrivals: list[float]):
+    """One thread per request: sleep until its arrival, then `send` it."""
+    traces = [Trace(a) for a in arrivals]
+    t0 = time.perf_counter()
+
+    def worker(i: int) -> None:
+        time.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+        try:
+            send(i, traces[i], t0)
+        except Exception as exc:  # counted as a failed request in the round
+            traces[i].error = f"{type(exc).__name__}: {exc}"
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=900)
+    return traces, time.perf_counter() - t0
+
+
+def triton_sender(url: str, model: str, prompts, params: dict):
+    from dlm_client import DLMClient
+
+    client = DLMClient(url, model)
+
+    def send(i: int, tr: Trace, t0: float) -> None:
+        for chunk in client.stream(input_ids=prompts[i], stream=True, **params):
+            now = time.perf_counter() - t0
+            if chunk.text and tr.first_text is None:
+                tr.first_text = now
+            if chunk.final:
+                tr.done, tr.tokens = now, chunk.completion_tokens
+
+    return send
+
+
+def proxy_sender(url: str, model: str, messages, params: dict):
+    import httpx
+
+    def send(i: int, tr: Trace, t0: float) -> None:
+        body = {"model": model, "messages": messages[i], "stream": True, **params}
+        body["stream_options"] = {"include_usage": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                now = time.perf_counter() - t0
+                if ev.get("choices") and ev["choices"][0].get("delta", {}).get("content"):
+                    tr.first_text = tr.first_text or now
+                if ev.get("usage"):
+                    tr.tokens = ev["usage"]["completion_tokens"]
+        tr.done = time.perf_counter() - t0
+
+    return send
+
+
+# ---- main --------------------------------------------------------------------------------
+def build_engine(args, max_rows: int):
+    import torch
+
+    from dlm_engine import Engine, EngineConfig
+
+    if args.model.startswith("random:"):
+        from dlm_engine.loader import random_checkpoint
+
+        lm = random_checkpoint(args.model.split(":", 1)[1], "bfloat16", args.device, None)
+        cfg = EngineConfig(
+            model=args.model,
+            device=args.device,
+            max_rows=max_rows,
+            max_canvas=CANVAS,
+            max_step_tokens=1 << 30,
+        )
+        return Engine(cfg, loaded=lm), torch
+    from dlm_triton.settings import ASSETS_DIR
+
+    model = str(ASSETS_DIR / "tiny-dlm") if args.model == "tiny-dlm" else args.model
+    return Engine(EngineConfig(model=model, device=args.device, max_rows=max_rows)), torch
+
+
+def workload(args, engine, n: int, rng: random.Random):
+    """(token-id prompts, chat messages, request params) for n requests."""
+    if args.model.startswith("random:"):
+        prompts = [[rng.randrange(100000) for _ in range(PROMPT)] for _ in range(n)]
+        params = dict(max_tokens=CANVAS, steps=STEPS, block_length=BLOCK)
+        return prompts, None, params
+    from dlm_engine.training.tasks import heldout_examples, messages_for
+
+    msgs = [messages_for(ex) for ex in heldout_examples(n, seed=rng.randrange(1 << 30))]
+    prompts = [engine.encode_prompt(messages=m) for m in msgs] if engine else None
+    return prompts, msgs, dict(max_tokens=32, steps=32, block_length=8)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--target", choices=("engine", "triton", "proxy"), default="engine")
+    ap.add_argument("--url", help="Triton gRPC host:port or proxy base URL")
+    ap.add_argument("--model", default="tiny-dlm", help="tiny-dlm, a directory, or random:NAME")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--requests", default="8", help="comma list of N")
+    ap.add_argument("--caches", default="none", help="comma list of none,prefix,dual")
+    ap.add_argument("--arrivals", default="all,gap:100,poisson:0.8,burst:4:500")
+    ap.add_argument("--slo-factor", type=float, default=2.0, help="SLO = factor x e2e alone")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="traffic_out")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ns = [int(x) for x in args.requests.split(",")]
+    engine = torch = None
+    peak = None
+    if args.target == "engine":
+        engine, torch = build_engine(args, max(ns))
+        if args.device.startswith("cuda"):
+            sys.path.insert(0, str(Path(__file__).parent))
+            from gpu_bench import bf16_peak_tflops
+
+            peak = bf16_peak_tflops(torch.device(args.device))
+    elif args.model != "tiny-dlm" and args.model.startswith("random:"):
+        raise SystemExit("--target triton/proxy serve their own model: name it, not random:")
+    header = (
+        f"target={args.target} model={args.model} device={device_name(args.device)} "
+        f"arrivals={args.arrivals} slo=factor {args.slo_factor} x the request's latency alone"
+    )
+    print(header, flush=True)
+    rows: list[RoundResult] = []
+    rng = random.Random(args.seed)
+    for cache in args.caches.split(","):
+        for n in ns:
+            prompts, msgs, params = workload(args, engine, n, rng)
+            params = dict(params, cache=cache)
+
+            def run(arr: list[float], k: int = n, p=prompts, m=msgs, par=params):
+                if args.target == "engine":
+                    return drive_engine(engine, p[:k], par, arr)
+                if args.target == "triton":
+                    return drive_threads(triton_sender(args.url, args.model, p, par), k, arr)
+                return drive_threads(proxy_sender(args.url, args.model, m, par), k, arr)
+
+            run([0.0] * n)  # warm-up: graph capture and compilation at these shapes
+            alone, _ = run([0.0], 1)
+            slo = args.slo_factor * (alone[0].done - alone[0].arrival)
+            saturated = None
+            base_tps = None
+            for spec in args.arrivals.split(","):
+                arr = arrival_times(spec, n, saturated, rng)
+                work0 = dict(engine.runner.work) if engine else None
+                with GpuSampler() as gpu:
+                    traces, wall = run(arr)
+                s = summarise(traces, wall, slo)
+                row = RoundResult(args.target, cache, n, spec, slo, gpu_util=gpu.mean, **s)
+                if spec == "all":
+                    saturated = n / wall
+                    base_tps = row.tok_s
+                if base_tps:
+                    row.x_all = row.tok_s / base_tps
+                if peak and work0 is not None:
+                    from gpu_bench import work_flops
+
+                    work = {k: engine.runner.work[k] - work0[k] for k in work0}
+                    row.pct_peak = 100 * work_flops(engine, work) / wall / 1e12 / peak
+                rows.append(row)
+                print(format_row(row), flush=True)
+    (out / "traffic.json").write_text(
+        json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=2)
+    )
+    plot(rows, out / "traffic.png", header)
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda") and shutil.which("nvidia-smi"):
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if r.returncode == 0:
+            return r.stdout.strip().splitlines()[0]
+    import platform
+
+    return f"cpu ({platform.machine()}, {platform.processor() or 'unknown'})"
+
+
+def format_row(r: RoundResult) -> str:
+    def f(x: float | None, spec: str = ".2f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    return (
+        f"{r.target:<7}{r.cache:<6}N={r.requests:<4}{r.arrivals:<13}"
+        f"tok/s={r.tok_s:8.1f} x_all={f(r.x_all)} goodput={r.goodput_rps:6.2f}/s "
+        f"(slo {r.slo_s:.2f}s) ttft50={f(r.ttft_p50, '.3f')} e2e p50/95/99="
+        f"{r.e2e_p50:.3f}/{r.e2e_p95:.3f}/{r.e2e_p99:.3f} failed={r.failed} "
+        f"gpu={f(r.gpu_util, '.0f')}% peak={f(r.pct_peak, '.1f')}%"
+    )
+
+
+def plot(rows: list[RoundResult], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r.cache, r.requests) for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for cache, n in groups:
+        sel = [r for r in rows if r.cache == cache and r.requests == n]
+        labels = [r.arrivals for r in sel]
+        axes[0].plot(labels, [r.tok_s for r in sel], marker="o", label=f"{cache}, N={n}")
+        axes[1].plot(labels, [r.e2e_p95 for r in sel], marker="o", label=f"{cache}, N={n}")
+    axes[0].set_ylabel("tokens/s")
+    axes[1].set_ylabel("end-to-end p95 (s)")
+    for ax in axes:
+        ax.set_xlabel("arrival process")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
