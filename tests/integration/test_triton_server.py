@@ -185,7 +185,10 @@ def test_cancellation_frees_the_row(client: DLMClient, metric) -> None:
     aborted0 = metric("dlm_requests_total", outcome="abort")
     long = {"max_tokens": 512, "steps": 512, "stream_mode": "denoise", "suppress_eos": True}
     stream = client.stream("a long one", **long)
-    next(stream)  # running: denoise mode answers every step
+    assert not next(stream).final  # running: denoise mode answers every step
+    deadline = time.monotonic() + 30  # the gauge is read from Triton's metrics endpoint
+    while metric("dlm_requests_in_flight") != 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert metric("dlm_requests_in_flight") == 1
     stream.close()  # tritonclient stop_stream(cancel_requests=True): a client cancel
 
