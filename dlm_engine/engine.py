@@ -13,6 +13,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from dlm_protocol.response import CHAT_ROLES
+
 from .config import EngineConfig
 from .errors import InvalidRequestError
 from .loader import LoadedModel, load_checkpoint
@@ -31,7 +33,7 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.loaded = loaded or load_checkpoint(
-            config.model, config.dtype, config.device, config.quantization
+            config.model, config.dtype, config.device, config.quantization, config.revision
         )
         lm = self.loaded
         self.family = lm.family
@@ -51,7 +53,9 @@ class Engine:
             max_cuda_graphs=config.max_cuda_graphs,
             fused_kernels=config.fused_kernels,
         )
-        self.scheduler = Scheduler(config.max_rows, config.max_queue, config.max_step_tokens)
+        self.scheduler = Scheduler(
+            config.max_rows, config.max_queue, config.max_step_tokens, config.phase_wait_steps
+        )
         self._texts: dict[str, StableText] = {}
         self._aborted: list[str] = []
         self.total_forwards = 0
@@ -114,7 +118,7 @@ class Engine:
                 raise InvalidRequestError(
                     "messages", f"message {i} needs string 'role' and 'content'"
                 )
-            if m["role"] not in ("system", "user", "assistant"):
+            if m["role"] not in CHAT_ROLES:
                 raise InvalidRequestError("messages", f"message {i} has unknown role {m['role']!r}")
             if self.mask_token and self.mask_token in m["content"]:
                 raise InvalidRequestError(
@@ -154,6 +158,7 @@ class Engine:
             uses_blocks=self.family.uses_blocks_by_default,
             max_canvas=self.config.max_canvas,
             default_max_tokens=self.config.default_max_tokens,
+            model_defaults=self.loaded.decoding_defaults,
         )
 
     def add_request(
@@ -226,7 +231,8 @@ class Engine:
 
     def _output_for(self, seq: Sequence, now: float) -> RequestOutput | None:
         st = self._texts[seq.request_id]
-        done_canvas = seq.mask_id not in seq.canvas
+        # max_nfe spent: the last forward committed the active block; the request ends there.
+        done_canvas = seq.mask_id not in seq.canvas or seq.nfe_spent
         update = st.update(seq.committed_prefix(), canvas_complete=done_canvas)
         if update.finished:
             seq.finished = True

@@ -21,6 +21,7 @@ from torch import nn
 
 from .cuda_graphs import GraphCache, round_up
 from .decoding import RowDecode, RowIndex, propose, select_transfers
+from .decoding.commit_rules import CommitPlan, row_rule
 from .decoding.proposals import safe_probabilities
 from .kv_cache import KVPool, RefreshKV, SpanKV
 from .models.common import ForwardBatch, FusedKernels
@@ -245,6 +246,8 @@ class ModelRunner:
     # ---- the step ---------------------------------------------------------------------------
     def _window_logits(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(s.window_width for s in seqs)
+        if any(s.multi is not None for s in seqs):  # multi-block widths vary: bucket them
+            width = round_up(width, self.length_multiple)
         cached = [s for s in seqs if s.params.cache != "none"]
         if cached:
             self._ensure_slots(cached)
@@ -300,18 +303,18 @@ class ModelRunner:
             for s in seqs
         ]
         index = RowIndex.build(rows, dev)
-        k = torch.tensor([0 if s.uses_threshold else s.transfer_count() for s in seqs], device=dev)
-        thr = torch.tensor(
-            [s.params.threshold if s.uses_threshold else float("nan") for s in seqs],
-            device=dev,
-            dtype=torch.float64,
-        )
+        plan = CommitPlan([row_rule(s, self.family) for s in seqs], dev)
+        k = plan.k
         guard = RowGuard(len(seqs), dev)
         logits, current = self._window_logits(seqs)
         valid = torch.arange(logits.shape[1], device=dev)[None, :] < widths[:, None]
         masked = (current == self.mask_id) & valid
+        extra = {} if plan.simple else plan.scores(logits)  # before propose edits logits
         x0, conf = propose(self.family, logits, rows, index, self.eos_id, self.mask_id, guard)
-        chosen = select_transfers(conf, masked, k, thr)
+        if plan.simple:
+            chosen = select_transfers(conf, masked, k, plan.threshold)
+        else:
+            chosen = plan.select(conf, x0, masked, extra)
         chosen = self._sampled_positions(seqs, chosen, conf, masked, k, guard)
         ok = guard.check_step(conf, x0, masked, chosen, self.mask_id)
         for i in guard.errors:  # rows whose code raised keep their tokens too (scalar fills)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dlm_triton import admin_key, model_repo
+from dlm_triton.checkpoint_fetch import fetch_checkpoint
 from dlm_triton.procs import (
     alive,
     cmdline,
@@ -251,7 +252,8 @@ class TritonServerProcess:
         """Start the server, wait until the model is ready, then start the proxy."""
         self.dist = self.dist or find_server()
         self.choice = self._choose_model()
-        try:
+        try:  # a Hub id is downloaded here, with progress on this terminal
+            self.choice.env.update(fetch_checkpoint(self.choice.repository, self.choice.name))
             self._spawn()
             self._wait_ready()
             if self.want_proxy:
@@ -366,7 +368,10 @@ class TritonServerProcess:
             if self.stop_requested.is_set():
                 raise StartAborted("stop requested while the proxy was starting")
             if self.proxy.poll() is not None:
-                raise RuntimeError(f"the OpenAI proxy exited with {self.proxy.returncode}")
+                where = self.log_path.with_suffix(".proxy.log") if self.log_path else "stderr"
+                raise RuntimeError(
+                    f"the OpenAI proxy exited with {self.proxy.returncode} (reason in {where})"
+                )
             if http_ok(f"http://127.0.0.1:{self.ports.proxy}/health") or http_ok(
                 f"http://127.0.0.1:{self.ports.proxy}/v1/models"
             ):

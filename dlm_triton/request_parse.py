@@ -14,7 +14,10 @@ from typing import Any
 
 import numpy as np
 
-PROMPT_INPUTS = ("text_input", "messages", "input_ids")
+from dlm_protocol.errors import PREFIX_INVALID
+from dlm_protocol.tensors import PROMPT_INPUT_NAMES as PROMPT_INPUTS
+from dlm_protocol.tensors import SAMPLING_PARAMETERS, STREAM
+
 # Request parameters Triton or tritonclient add themselves; never sampling keys.
 _RESERVED_PREFIXES = ("triton_", "sequence_", "priority", "timeout", "binary_data")
 
@@ -23,7 +26,7 @@ class RequestError(ValueError):
     """A bad request; ``str()`` is the message sent to the client."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(f"invalid request: {message}")
+        super().__init__(f"{PREFIX_INVALID} {message}")
 
 
 @dataclass
@@ -113,9 +116,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: str | None) -> Pars
     given = [name for name in PROMPT_INPUTS if name in inputs]
     if len(given) != 1:
         found = ", ".join(given) or "none"
-        raise RequestError(
-            f"exactly one of text_input, messages, input_ids is required (got {found})"
-        )
+        raise RequestError(f"exactly one of {', '.join(PROMPT_INPUTS)} is required (got {found})")
     kind = given[0]
     if kind == "text_input":
         prompt: Any = _text("text_input", inputs[kind])
@@ -133,10 +134,10 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: str | None) -> Pars
         if not isinstance(value, bool):
             raise RequestError("stream: expected true or false")
         stream = value
-    if "stream" in inputs:
-        stream = _stream(inputs["stream"])
-    if "sampling_parameters" in inputs:
-        raw = _text("sampling_parameters", inputs["sampling_parameters"])
+    if STREAM.name in inputs:
+        stream = _stream(inputs[STREAM.name])
+    if SAMPLING_PARAMETERS.name in inputs:
+        raw = _text(SAMPLING_PARAMETERS.name, inputs[SAMPLING_PARAMETERS.name])
         if raw.strip():
             tensor_params = _json("sampling_parameters", raw)
             if not isinstance(tensor_params, dict):

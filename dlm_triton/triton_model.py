@@ -23,9 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from dlm_protocol import tensors
+from dlm_protocol.errors import ERROR_PREFIXES, PREFIX_INTERNAL
 from dlm_triton.intake import Intake
 from dlm_triton.metrics import Metrics
-from dlm_triton.request_parse import PROMPT_INPUTS, RequestError, parse_request
+from dlm_triton.request_parse import RequestError, parse_request
 from dlm_triton.settings import config_parameters, resolve_settings
 
 try:  # only importable inside the Python backend stub
@@ -33,7 +35,7 @@ try:  # only importable inside the Python backend stub
 except ImportError:  # pragma: no cover - docs, linters, unit tests
     pb_utils = None
 
-INPUT_NAMES = (*PROMPT_INPUTS, "stream", "sampling_parameters")
+INPUT_NAMES = tuple(t.name for t in tensors.INPUTS)
 WATCH_INTERVAL_S = 0.02
 DRAIN_TIMEOUT_S = float(os.environ.get("DLM_DRAIN_TIMEOUT", "5"))  # launcher: exit timeout / 2
 # Written by the launcher before it stops tritonserver: drain now (see launcher._drain).
@@ -57,12 +59,10 @@ class _Live:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _bytes_tensor(name: str, text: str) -> Any:
-    return pb_utils.Tensor(name, np.array([[text.encode("utf-8")]], dtype=np.object_))
-
-
-def _int_tensor(name: str, value: int | None) -> Any:
-    return pb_utils.Tensor(name, np.array([[int(value or 0)]], dtype=np.int32))
+def _output_tensor(spec: tensors.TensorSpec, value: Any) -> Any:
+    """One ``[1, 1]`` output of the contract's datatype (BYTES as UTF-8)."""
+    value = str(value or "").encode("utf-8") if spec.datatype == "BYTES" else value or 0
+    return pb_utils.Tensor(spec.name, np.array([[value]], dtype=spec.numpy_dtype))
 
 
 class TritonPythonModel:
@@ -84,6 +84,7 @@ class TritonPythonModel:
         s = self.settings
         wanted = {
             "model": s.checkpoint,
+            "revision": s.revision,
             "dtype": s.dtype,
             "device": s.device,
             "max_rows": s.max_rows,
@@ -115,9 +116,12 @@ class TritonPythonModel:
         self._watcher.start()
         import torch
 
+        from dlm_engine.loader import choose_dtype
+
+        dtype, why = choose_dtype(s.dtype, self.engine.loaded.config, s.device)
         pb_utils.Logger.log_info(
             f"dlm model {self.model_name}: checkpoint={s.checkpoint} device={s.device} "
-            f"dtype={s.dtype} max_rows={s.max_rows} torch_threads={torch.get_num_threads()}"
+            f"dtype={dtype} ({why}) max_rows={s.max_rows} torch_threads={torch.get_num_threads()}"
         )
 
     def _on_step(self, rows: int) -> None:
@@ -235,8 +239,8 @@ class TritonPythonModel:
         error = getattr(out, "error", None)
         if error:
             message = str(error)
-            if not message.startswith(("invalid request:", "overloaded:", "internal error:")):
-                message = f"internal error: {message}"
+            if not message.startswith(ERROR_PREFIXES):
+                message = f"{PREFIX_INTERNAL} {message}"
             self._fail(live, message)
             return
         if out.delta_text and live.first_text_at is None:
@@ -263,15 +267,18 @@ class TritonPythonModel:
 
     def _response(self, text: str, finish_reason: str, out: Any) -> Any:
         canvas = json.dumps(out.canvas) if getattr(out, "canvas", None) is not None else ""
+        values = {
+            tensors.TEXT_OUTPUT: text,
+            tensors.FINISH_REASON: finish_reason,
+            tensors.PROMPT_TOKENS: out.prompt_tokens,
+            tensors.COMPLETION_TOKENS: out.completion_tokens,
+            tensors.STEPS: out.steps,
+            tensors.FORWARDS: out.steps,
+            tensors.TOKENS_PER_FORWARD: out.tokens_per_forward,
+            tensors.CANVAS: canvas,
+        }
         return pb_utils.InferenceResponse(
-            output_tensors=[
-                _bytes_tensor("text_output", text or ""),
-                _bytes_tensor("finish_reason", finish_reason),
-                _int_tensor("prompt_tokens", out.prompt_tokens),
-                _int_tensor("completion_tokens", out.completion_tokens),
-                _int_tensor("steps", out.steps),
-                _bytes_tensor("canvas", canvas),
-            ]
+            output_tensors=[_output_tensor(spec, values[spec]) for spec in tensors.OUTPUTS]
         )
 
     def _send(self, live: _Live, response: Any, final: bool) -> None:

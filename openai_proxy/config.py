@@ -12,7 +12,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from dlm_protocol import limits
+
 ENV_PREFIX = "DLM_PROXY_"
+PLAYGROUND_MODES = ("auto", "on", "off")
 
 
 def _split_list(value: str) -> list[str]:
@@ -33,7 +36,7 @@ def _parse_bool(value: str) -> bool:
 class ProxyConfig:
     """All knobs of the proxy. Defaults suit a local `dlm-triton serve`."""
 
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # beyond loopback needs API keys or allow_no_auth (security.py)
     port: int = 9000
     # gRPC endpoints of one or more tritonservers serving the same models (round-robin).
     triton_urls: list[str] = field(default_factory=lambda: ["localhost:8001"])
@@ -41,10 +44,18 @@ class ProxyConfig:
     models: list[str] = field(default_factory=list)
     # Where Triton's Prometheus metrics live; /metrics points there.
     triton_metrics_url: str = "http://localhost:8002/metrics"
-    # Bearer keys accepted on /v1/*; empty list = auth off.
+    # Bearer keys accepted on /v1/*; empty list (and no key file) = auth off.
     api_keys: list[str] = field(default_factory=list)
-    # Upper bound on max_tokens (canvas length) a client may ask for.
-    max_tokens_limit: int = 4096
+    # A file of keys, one per line (a compose secret), added to api_keys.
+    api_keys_file: str = ""
+    # Serve without keys on a non-loopback address (another layer authenticates).
+    allow_no_auth: bool = False
+    # A separate port for /metrics (0 = /metrics on the API port, behind the keys if any).
+    metrics_port: int = 0
+    metrics_host: str = ""  # address of the metrics port; empty = host
+    # Upper bound on max_tokens (canvas length) a client may ask for (each model's own
+    # max_canvas applies too; the engine reports it).
+    max_tokens_limit: int = limits.PROXY_MAX_TOKENS_LIMIT
     # Upper bound on n (choices per prompt) and on the total Triton requests one call fans out to.
     max_n: int = 16
     max_fanout: int = 64
@@ -70,7 +81,14 @@ class ProxyConfig:
     drain_timeout_s: float = 30.0
     # Retry-After value (seconds) on 503 answers.
     retry_after_s: int = 2
+    # The browser playground at /playground: "auto" = on only while no API keys are configured
+    # (a page anyone can open should not sit in front of a keyed server unless asked), "on", "off".
+    playground: str = "auto"
     log_level: str = "info"
+
+    def playground_enabled(self, has_keys: bool) -> bool:
+        """`has_keys`: API keys from any source (flags, env, the key file: security.py)."""
+        return self.playground == "on" or (self.playground == "auto" and not has_keys)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ProxyConfig:
@@ -91,6 +109,8 @@ class ProxyConfig:
         for name in ("max_tokens_limit", "max_n", "max_fanout", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError("metrics_port must be 0 (off) or a TCP port")
         for name in (
             "request_timeout_s",
             "stream_idle_timeout_s",
@@ -103,6 +123,8 @@ class ProxyConfig:
             raise ValueError(f"triton_admin_key_file {self.triton_admin_key_file} is not a file")
         if self.first_event_wait_s < 0 or self.drain_timeout_s < 0:
             raise ValueError("first_event_wait_s and drain_timeout_s must be >= 0")
+        if self.playground not in PLAYGROUND_MODES:
+            raise ValueError(f"playground must be one of {', '.join(PLAYGROUND_MODES)}")
 
 
 def _convert(name: str, current: object, raw: str) -> object:
@@ -124,7 +146,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
         prog="python -m openai_proxy",
         description="OpenAI-compatible HTTP proxy in front of tritonserver (diffusion LMs).",
     )
-    p.add_argument("--host", help="bind address (DLM_PROXY_HOST, default 0.0.0.0)")
+    p.add_argument(
+        "--host",
+        help="bind address (DLM_PROXY_HOST, default 127.0.0.1; others need API keys)",
+    )
     p.add_argument("--port", type=int, help="HTTP port (DLM_PROXY_PORT, default 9000)")
     p.add_argument(
         "--triton-url",
@@ -150,6 +175,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
         metavar="KEY",
         help="accepted bearer key; repeat for several; none = auth off (DLM_PROXY_API_KEYS)",
     )
+    p.add_argument("--api-keys-file", help="file of accepted keys, one per line")
+    p.add_argument(
+        "--allow-no-auth",
+        action="store_true",
+        default=None,
+        help="serve without keys on a non-loopback address (DLM_PROXY_ALLOW_NO_AUTH)",
+    )
+    p.add_argument("--metrics-port", type=int, help="serve /metrics on this port only")
+    p.add_argument("--metrics-host", help="address of the metrics port (default: --host)")
     p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens accepted")
     p.add_argument("--max-n", type=int, help="largest n accepted")
     p.add_argument("--max-fanout", type=int, help="largest prompts x n per call")
@@ -172,6 +206,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--first-event-wait", type=float, dest="first_event_wait_s")
     p.add_argument("--drain-timeout", type=float, dest="drain_timeout_s")
     p.add_argument("--retry-after", type=int, dest="retry_after_s")
+    p.add_argument(
+        "--playground",
+        choices=PLAYGROUND_MODES,
+        help="browser playground at /playground: auto (default) = on unless API keys are "
+        "configured (DLM_PROXY_PLAYGROUND)",
+    )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     return p
 

@@ -15,7 +15,8 @@ from dlm_triton.launcher import TritonServerProcess
 
 pytestmark = pytest.mark.integration
 
-MEDIUM = {"max_tokens": 64, "steps": 64, "block_length": 32, "suppress_eos": True}
+# long enough (512 steps, several seconds even on a fast CPU) to still run during the drain
+MEDIUM = {"max_tokens": 512, "steps": 512, "block_length": 32, "suppress_eos": True}
 
 
 def test_new_call_while_draining_gets_503(stack: TritonServerProcess) -> None:
@@ -23,7 +24,7 @@ def test_new_call_while_draining_gets_503(stack: TritonServerProcess) -> None:
         running = pool.submit(proxy_stream, proxy.base_url, chat_body(**MEDIUM), 120)
         deadline = time.monotonic() + 30
         while metric_value(stack, "dlm_requests_in_flight") < 1:
-            assert time.monotonic() < deadline
+            assert time.monotonic() < deadline, running.result() if running.done() else "no row"
             time.sleep(0.1)
         assert proxy.proc is not None
         proxy.proc.send_signal(signal.SIGTERM)
