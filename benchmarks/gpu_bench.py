@@ -6,6 +6,7 @@ schedules time honestly: every run here commits exactly `max_tokens` tokens over
 forwards (random models have no end of text, so nothing stops early). Timings for one run:
 
     python benchmarks/gpu_bench.py --out results/ [--models llada-8b,dream-7b] [--batches 1,8,32]
+    python benchmarks/gpu_bench.py --section algorithms --batches 1,8 --out results/algorithms
 
 Prints tok/s, ms/step, achieved TFLOP/s as % of the measured bf16 matmul peak, and ratios
 against the reference loop measured in the same run. Writes results.json, a log and a plot.
@@ -164,6 +165,14 @@ def main() -> None:
     ap.add_argument(
         "--tiny", action="store_true", help="shrunken presets: a CPU smoke run of this script"
     )
+    ap.add_argument(
+        "--section",
+        choices=("modes", "algorithms"),
+        default="modes",
+        help="modes: reference vs engine modes; algorithms: per-forward cost of each decoding "
+        "algorithm and multi-block step time vs blocks in flight (gpu_bench_algorithms.py)",
+    )
+    ap.add_argument("--iters", type=int, default=20, help="timed steps per algorithms point")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -226,6 +235,11 @@ def main() -> None:
         print(
             f"{'mode':<10}{'batch':>6}{'steps':>6}{'tok/s':>9}{'ms/step':>9}{'TFLOP/s':>9}{'%peak':>7}{'x ref':>7}  step medians (ms)"
         )
+        if args.section == "algorithms":
+            from gpu_bench_algorithms import run as run_algorithms
+
+            rows += run_algorithms(engine, model_name, batches, args.iters, out)
+            continue
         all_prompts = torch.randint(0, 100000, (max(batches), PROMPT), generator=gen)
         if args.profile:
             profile_steps(engine, all_prompts[:1].tolist(), out / f"profile_{model_name}.txt")
@@ -293,7 +307,8 @@ def main() -> None:
     (out / "results.json").write_text(
         json.dumps({"header": header, "peak_tflops": peak, "rows": rows}, indent=2)
     )
-    plot(rows, out / "gpu_bench.png", name)
+    if args.section == "modes":
+        plot(rows, out / "gpu_bench.png", name)
 
 
 def plot(rows: list[dict], path: Path, device: str) -> None:

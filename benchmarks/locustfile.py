@@ -16,7 +16,9 @@ Events (Locust ``request`` events; the ``Type`` column of the stats):
 
 * ``E2E``: request start to final response. ``response_length`` is the number of completion
   tokens, so Locust's "Average Content Size" x "Requests/s" is generated tokens/s.
-* ``TTFT``: request start to the first non-empty text (streaming requests only).
+* ``TTFT``: request start to the first non-empty text (streaming requests only). Fired when the
+  request completes, so TTFT and E2E cover the same requests (a run that quits mid-request
+  records neither for it).
 
 Everything is configured by environment variables (defaults in brackets):
 
@@ -34,6 +36,9 @@ Everything is configured by environment variables (defaults in brackets):
 * ``DLM_LOAD_WAIT_S`` [0]: think time between a user's requests, uniform in [0, value].
 * ``DLM_LOAD_TIMEOUT_S`` [300]: a request slower than this counts as a failure.
 * ``DLM_LOAD_API_KEY``: bearer key for the proxy.
+* ``DLM_LOAD_STOP_AFTER`` [0]: stop the run once every request kind that can occur (proxy and
+  gRPC, streamed and not, as the weights and stream fraction allow) has completed this many
+  requests; ``--run-time`` is then only a cap. 0 runs for ``--run-time``.
 """
 
 from __future__ import annotations
@@ -48,12 +53,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import gevent
 import grpc.experimental.gevent as grpc_gevent
-import numpy as np
 import requests
 import tritonclient.grpc as grpcclient
+from dlm_client import build_inputs
 from locust import User, between, events, task
 from locust.env import Environment
+
+from dlm_protocol import tensors
 
 # Locust runs users as greenlets: gRPC's C core must yield to gevent or one blocked stream
 # read would freeze every user in the process. Must run before any channel exists.
@@ -192,6 +200,16 @@ FAILURE_BACKOFF_S = 0.2
 _request_ids = itertools.count()
 
 
+class _GreenletSafeClient(grpcclient.InferenceServerClient):
+    """tritonclient closes its channel in ``__del__``: run by the garbage collector inside
+    gevent's hub, that close can block forever and freeze every user of the process (seen:
+    a sweep run stuck in ``Channel._close`` from ``__del__``). Users close explicitly in
+    ``on_stop`` instead."""
+
+    def __del__(self) -> None:
+        pass
+
+
 class LoadError(Exception):
     """A response that arrived but breaks the API contract (counted as a Locust failure)."""
 
@@ -204,11 +222,14 @@ def _fire(
     *,
     tokens: int = 0,
     exc: BaseException | None = None,
+    ended: float | None = None,
 ) -> None:
+    """One Locust event from ``started`` to ``ended`` (default: now)."""
+    stop = time.perf_counter() if ended is None else ended
     env.events.request.fire(
         request_type=kind,
         name=name,
-        response_time=(time.perf_counter() - started) * 1000.0,
+        response_time=(stop - started) * 1000.0,
         response_length=tokens,
         exception=exc,
         context={},
@@ -247,12 +268,18 @@ class ProxyChatUser(User):
         stream = random.random() < SETTINGS.stream_fraction
         name = "proxy chat stream" if stream else "proxy chat"
         started = time.perf_counter()
+        first_text_at: float | None = None
         try:
-            tokens = self._stream(started, name) if stream else self._once()
+            if stream:
+                tokens, first_text_at = self._stream(started)
+            else:
+                tokens = self._once()
         except Exception as exc:  # every failure is a Locust failure, never a crash
             _fire(self.environment, "E2E", name, started, exc=exc)
             time.sleep(FAILURE_BACKOFF_S)
             return
+        if first_text_at is not None:
+            _fire(self.environment, "TTFT", name, started, ended=first_text_at)
         _fire(self.environment, "E2E", name, started, tokens=tokens)
 
     def _post(self, body: dict[str, Any], stream: bool) -> requests.Response:
@@ -277,12 +304,12 @@ class ProxyChatUser(User):
             raise LoadError("no message content")
         return int(data["usage"]["completion_tokens"])
 
-    def _stream(self, started: float, name: str) -> int:
-        """Read the SSE stream; fire TTFT at the first non-empty content delta."""
+    def _stream(self, started: float) -> tuple[int, float | None]:
+        """Read the SSE stream: completion tokens, and when the first non-empty content came."""
         finish_reason = None
         tokens: int | None = None
         saw_done = False
-        first = True
+        first_text_at: float | None = None
         deadline = started + SETTINGS.timeout_s
         with self._post(self._body(stream=True), stream=True) as resp:
             resp.encoding = resp.encoding or "utf-8"  # SSE is UTF-8; else lines come as bytes
@@ -301,9 +328,8 @@ class ProxyChatUser(User):
                 if chunk.get("usage"):
                     tokens = int(chunk["usage"]["completion_tokens"])
                 for choice in chunk.get("choices", []):
-                    if first and choice.get("delta", {}).get("content"):
-                        first = False
-                        _fire(self.environment, "TTFT", name, started)
+                    if first_text_at is None and choice.get("delta", {}).get("content"):
+                        first_text_at = time.perf_counter()
                     finish_reason = choice.get("finish_reason") or finish_reason
         if not saw_done:
             raise LoadError("stream ended without data: [DONE]")
@@ -311,7 +337,7 @@ class ProxyChatUser(User):
             raise LoadError(f"finish_reason {finish_reason!r}")
         if tokens is None:
             raise LoadError("no usage chunk although stream_options.include_usage was set")
-        return tokens
+        return tokens, first_text_at
 
 
 class TritonGrpcUser(User):
@@ -322,7 +348,7 @@ class TritonGrpcUser(User):
     wait_time = between(0.0, SETTINGS.wait_s)
 
     def on_start(self) -> None:
-        self.client = grpcclient.InferenceServerClient(SETTINGS.triton_grpc)
+        self.client = _GreenletSafeClient(SETTINGS.triton_grpc)
         self._open_stream()
 
     def on_stop(self) -> None:
@@ -336,19 +362,12 @@ class TritonGrpcUser(User):
         self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
 
     def _inputs(self, stream: bool) -> list[grpcclient.InferInput]:
-        messages = json.dumps([{"role": "user", "content": SETTINGS.pick_prompt()}])
-        tensors = [
-            ("messages", np.array([[messages.encode()]], dtype=np.object_), "BYTES"),
-            ("stream", np.array([[stream]], dtype=np.bool_), "BOOL"),
-            (
-                "sampling_parameters",
-                np.array([[json.dumps(SETTINGS.params).encode()]], dtype=np.object_),
-                "BYTES",
-            ),
-        ]
+        """The contract's input tensors (names, datatypes: dlm_protocol.tensors)."""
+        messages = [{"role": "user", "content": SETTINGS.pick_prompt()}]
+        arrays = build_inputs(messages=messages, stream=stream, sampling=SETTINGS.params)
         inputs = []
-        for name, array, dtype in tensors:
-            item = grpcclient.InferInput(name, list(array.shape), dtype)
+        for name, array in arrays.items():
+            item = grpcclient.InferInput(name, list(array.shape), tensors.BY_NAME[name].datatype)
             item.set_data_from_numpy(array)
             inputs.append(item)
         return inputs
@@ -363,7 +382,7 @@ class TritonGrpcUser(User):
             self.client.async_stream_infer(
                 SETTINGS.model, self._inputs(stream), request_id=request_id
             )
-            tokens = self._read(request_id, started, name, stream)
+            tokens, first_text_at = self._read(request_id, started, stream)
         except Exception as exc:
             _fire(self.environment, "E2E", name, started, exc=exc)
             try:
@@ -373,11 +392,14 @@ class TritonGrpcUser(User):
                 pass  # the next request fails and reports it
             time.sleep(FAILURE_BACKOFF_S)
             return
+        if first_text_at is not None:
+            _fire(self.environment, "TTFT", name, started, ended=first_text_at)
         _fire(self.environment, "E2E", name, started, tokens=tokens)
 
-    def _read(self, request_id: str, started: float, name: str, stream: bool) -> int:
-        """Responses of this request until one carries a finish_reason (the final one)."""
-        first = True
+    def _read(self, request_id: str, started: float, stream: bool) -> tuple[int, float | None]:
+        """Responses of this request until one carries a finish_reason (the final one): its
+        completion tokens, and when the first non-empty text came (streams only)."""
+        first_text_at: float | None = None
         deadline = started + SETTINGS.timeout_s
         while True:
             left = deadline - time.perf_counter()
@@ -391,15 +413,58 @@ class TritonGrpcUser(User):
                 raise LoadError(f"Triton error: {error}")
             if result.get_response().id != request_id:
                 continue  # a late answer to an earlier, timed-out request
-            text = result.as_numpy("text_output").reshape(-1)[0]
-            if stream and first and text:
-                first = False
-                _fire(self.environment, "TTFT", name, started)
-            reason = result.as_numpy("finish_reason").reshape(-1)[0].decode()
+            text = result.as_numpy(tensors.TEXT_OUTPUT.name).reshape(-1)[0]
+            if stream and first_text_at is None and text:
+                first_text_at = time.perf_counter()
+            reason = result.as_numpy(tensors.FINISH_REASON.name).reshape(-1)[0].decode()
             if reason:
                 if reason not in ("stop", "length"):
                     raise LoadError(f"finish_reason {reason!r}")
-                return int(result.as_numpy("completion_tokens").reshape(-1)[0])
+                tokens = int(result.as_numpy(tensors.COMPLETION_TOKENS.name).reshape(-1)[0])
+                return tokens, first_text_at
+
+
+STOP_AFTER = int(os.environ.get("DLM_LOAD_STOP_AFTER", "0") or 0)
+
+
+def expected_kinds(env: Environment) -> list[str]:
+    """The E2E names the running users can produce (what a count-bounded run waits for)."""
+    running = getattr(env.runner, "user_classes_count", {}) or {}
+    kinds = []
+    for cls, base in ((ProxyChatUser, "proxy chat"), (TritonGrpcUser, "grpc")):
+        if running.get(cls.__name__, 0) > 0:
+            if SETTINGS.stream_fraction < 1:
+                kinds.append(base)
+            if SETTINGS.stream_fraction > 0:
+                kinds.append(f"{base} stream")
+    return kinds
+
+
+_completed: dict[str, int] = {}
+
+
+@events.request.add_listener
+def _stop_after_counts(request_type: str, name: str, exception: Any, context: Any = None, **kw):
+    """Count-bounded runs: quit once every kind has STOP_AFTER successful requests, so a slow
+    machine runs longer instead of failing (``--run-time`` only catches a real hang)."""
+    if not STOP_AFTER or request_type != "E2E" or exception is not None:
+        return
+    _completed[name] = _completed.get(name, 0) + 1
+    env = _ENV.get("env")
+    if env is not None and env.runner is not None and not _ENV.get("quitting"):
+        kinds = expected_kinds(env)
+        if kinds and all(_completed.get(k, 0) >= STOP_AFTER for k in kinds):
+            _ENV["quitting"] = True
+            print(f"[dlm] every kind completed {STOP_AFTER} requests: stopping", flush=True)
+            gevent.spawn(env.runner.quit)
+
+
+_ENV: dict[str, Any] = {}
+
+
+@events.init.add_listener
+def _remember_env(environment: Environment, **_: Any) -> None:
+    _ENV["env"] = environment
 
 
 @events.test_stop.add_listener

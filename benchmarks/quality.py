@@ -83,6 +83,29 @@ def cache_settings(max_tokens: int, block: int = 8) -> list[Setting]:
     ]
 
 
+def accel_settings(max_tokens: int, block: int = 8) -> list[Setting]:
+    """Issue 15: each accelerated algorithm over its main threshold, beside k and threshold."""
+    mt = {"max_tokens": max_tokens}
+    out = [Setting(f"k={k}", dict(mt, steps=max_tokens // k)) for k in (1, 4)]
+    out += [Setting(f"threshold={t}", dict(mt, threshold=t)) for t in (0.9, 0.5)]
+    out += [Setting(f"factor={f}", dict(mt, algorithm="factor", factor=f)) for f in (0.5, 1, 2, 4)]
+    out += [
+        Setting(f"entropy_threshold={t}", dict(mt, algorithm="entropy_threshold", threshold=t))
+        for t in (0.1, 0.3, 0.6, 1.0)
+    ]
+    out += [
+        Setting(
+            f"local_leap={a}", dict(mt, steps=max_tokens, use_local_leap=True, anchor_threshold=a)
+        )  # fmt: skip
+        for a in (0.9, 0.7, 0.5)
+    ]
+    out += [
+        Setting(f"multi_block={t}", dict(mt, multi_block=True, block_length=block, threshold=t))
+        for t in (0.1, 0.3, 0.6, 1.0)
+    ]
+    return out
+
+
 def run_setting(
     engine: Engine, examples: list[tasks.Example], prompts: list[list[int]], setting: Setting
 ) -> Result:
@@ -155,10 +178,10 @@ def plot(results: list[Result], path: Path, n: int) -> None:
         (axes[0], "answer_tokens_per_forward", "answer tokens per forward"),
         (axes[1], "mean_nfe", "forwards per request (NFE)"),
     ):
-        for group, marker, legend in (
-            ("k=", "o", "k tokens per step"),
-            ("threshold=", "s", "threshold"),
-        ):
+        groups = sorted({r.name.split("=")[0] + "=" for r in results if "=" in r.name})
+        legends = {"k=": "k tokens per step", "threshold=": "threshold"}
+        for group, marker in zip(groups, "os^vDpx*", strict=False):
+            legend = legends.get(group, group.rstrip("="))
             pts = sorted(
                 (r for r in results if r.name.startswith(group)), key=lambda r: getattr(r, key)
             )
@@ -200,9 +223,10 @@ def main(argv: list[str] | None = None) -> list[Result]:
     p.add_argument("--only", nargs="*", help="setting names to run (default: all)")
     p.add_argument(
         "--sweep",
-        choices=("parallel", "cache"),
+        choices=("parallel", "cache", "accel"),
         default="parallel",
-        help="parallel: k tokens/step and thresholds; cache: exact vs prefix vs dual KV caches",
+        help="parallel: k tokens/step and thresholds; cache: exact vs prefix vs dual KV caches; "
+        "accel: LocalLeap, d3LLM entropy threshold / multi-block, Fast-dLLM factor",
     )
     p.add_argument("--plot", default=str(ROOT / "docs" / "quality_tradeoff.png"))
     p.add_argument("--no-plot", action="store_true")
@@ -235,7 +259,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
         flush=True,
     )
     results: list[Result] = []
-    sweep = settings if args.sweep == "parallel" else cache_settings
+    sweep = {"parallel": settings, "cache": cache_settings, "accel": accel_settings}[args.sweep]
     for s in sweep(args.max_tokens):
         if args.only and s.name not in args.only:
             continue

@@ -286,6 +286,11 @@ def main() -> None:
     ap.add_argument("--requests", default="8", help="comma list of N")
     ap.add_argument("--caches", default="none", help="comma list of none,prefix,dual")
     ap.add_argument("--arrivals", default="all,gap:100,poisson:0.8,burst:4:500")
+    ap.add_argument(
+        "--phase-waits",
+        default="",
+        help="comma list of the scheduler's phase_wait_steps to compare (engine target)",
+    )
     ap.add_argument("--slo-factor", type=float, default=2.0, help="SLO = factor x e2e alone")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="traffic_out")
@@ -304,6 +309,9 @@ def main() -> None:
             peak = bf16_peak_tflops(torch.device(args.device))
     elif args.model != "tiny-dlm" and args.model.startswith("random:"):
         raise SystemExit("--target triton/proxy serve their own model: name it, not random:")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from triton_gpu_bench import device_name
+
     header = (
         f"target={args.target} model={args.model} device={device_name(args.device)} "
         f"arrivals={args.arrivals} slo=factor {args.slo_factor} x the request's latency alone"
@@ -311,61 +319,51 @@ def main() -> None:
     print(header, flush=True)
     rows: list[RoundResult] = []
     rng = random.Random(args.seed)
-    for cache in args.caches.split(","):
-        for n in ns:
-            prompts, msgs, params = workload(args, engine, n, rng)
-            params = dict(params, cache=cache)
+    waits = [int(w) for w in args.phase_waits.split(",") if w] or [None]
+    settings = [(c, n, w) for c in args.caches.split(",") for n in ns for w in waits]
+    for cache, n, wait in settings:
+        if wait is not None and engine is not None:
+            engine.scheduler.phase_wait_steps = wait
+        prompts, msgs, params = workload(args, engine, n, rng)
+        params = dict(params, cache=cache)
 
-            def run(arr: list[float], k: int = n, p=prompts, m=msgs, par=params):
-                if args.target == "engine":
-                    return drive_engine(engine, p[:k], par, arr)
-                if args.target == "triton":
-                    return drive_threads(triton_sender(args.url, args.model, p, par), k, arr)
-                return drive_threads(proxy_sender(args.url, args.model, m, par), k, arr)
+        def run(arr: list[float], k: int = n, p=prompts, m=msgs, par=params):
+            if args.target == "engine":
+                return drive_engine(engine, p[:k], par, arr)
+            if args.target == "triton":
+                return drive_threads(triton_sender(args.url, args.model, p, par), k, arr)
+            return drive_threads(proxy_sender(args.url, args.model, m, par), k, arr)
 
-            run([0.0] * n)  # warm-up: graph capture and compilation at these shapes
-            alone, _ = run([0.0], 1)
-            slo = args.slo_factor * (alone[0].done - alone[0].arrival)
-            saturated = None
-            base_tps = None
-            for spec in args.arrivals.split(","):
-                arr = arrival_times(spec, n, saturated, rng)
-                work0 = dict(engine.runner.work) if engine else None
-                with GpuSampler() as gpu:
-                    traces, wall = run(arr)
-                s = summarise(traces, wall, slo)
-                row = RoundResult(args.target, cache, n, spec, slo, gpu_util=gpu.mean, **s)
-                if spec == "all":
-                    saturated = n / wall
-                    base_tps = row.tok_s
-                if base_tps:
-                    row.x_all = row.tok_s / base_tps
-                if peak and work0 is not None:
-                    from gpu_bench import work_flops
+        run([0.0] * n)  # warm-up: graph capture and compilation at these shapes
+        run([0.0], 1)  # and at batch 1, so the SLO's reference run is warm
+        alone, _ = run([0.0], 1)
+        slo = args.slo_factor * (alone[0].done - alone[0].arrival)
+        saturated = None
+        base_tps = None
+        for spec in args.arrivals.split(","):
+            arr = arrival_times(spec, n, saturated, rng)
+            work0 = dict(engine.runner.work) if engine else None
+            with GpuSampler() as gpu:
+                traces, wall = run(arr)
+            s = summarise(traces, wall, slo)
+            row = RoundResult(args.target, cache, n, spec, slo, gpu_util=gpu.mean, **s)
+            row.extra["phase_wait_steps"] = engine.scheduler.phase_wait_steps if engine else None
+            if spec == "all":
+                saturated = n / wall
+                base_tps = row.tok_s
+            if base_tps:
+                row.x_all = row.tok_s / base_tps
+            if peak and work0 is not None:
+                from gpu_bench import work_flops
 
-                    work = {k: engine.runner.work[k] - work0[k] for k in work0}
-                    row.pct_peak = 100 * work_flops(engine, work) / wall / 1e12 / peak
-                rows.append(row)
-                print(format_row(row), flush=True)
+                work = {k: engine.runner.work[k] - work0[k] for k in work0}
+                row.pct_peak = 100 * work_flops(engine, work) / wall / 1e12 / peak
+            rows.append(row)
+            print(format_row(row), flush=True)
     (out / "traffic.json").write_text(
         json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=2)
     )
     plot(rows, out / "traffic.png", header)
-
-
-def device_name(device: str) -> str:
-    if device.startswith("cuda") and shutil.which("nvidia-smi"):
-        r = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if r.returncode == 0:
-            return r.stdout.strip().splitlines()[0]
-    import platform
-
-    return f"cpu ({platform.machine()}, {platform.processor() or 'unknown'})"
 
 
 def format_row(r: RoundResult) -> str:
@@ -373,7 +371,8 @@ def format_row(r: RoundResult) -> str:
         return "-" if x is None else format(x, spec)
 
     return (
-        f"{r.target:<7}{r.cache:<6}N={r.requests:<4}{r.arrivals:<13}"
+        f"{r.target:<7}{r.cache:<6}N={r.requests:<4}wait={r.extra.get('phase_wait_steps')!s:<5}"
+        f"{r.arrivals:<13}"
         f"tok/s={r.tok_s:8.1f} x_all={f(r.x_all)} goodput={r.goodput_rps:6.2f}/s "
         f"(slo {r.slo_s:.2f}s) ttft50={f(r.ttft_p50, '.3f')} e2e p50/95/99="
         f"{r.e2e_p50:.3f}/{r.e2e_p95:.3f}/{r.e2e_p99:.3f} failed={r.failed} "

@@ -15,7 +15,11 @@ from typing import Any
 
 import numpy as np
 
-OUTPUTS = ("text_output", "finish_reason", "prompt_tokens", "completion_tokens", "steps", "canvas")
+from dlm_protocol import tensors
+from dlm_protocol.errors import PREFIX_INVALID
+from dlm_protocol.response import tokens_per_forward
+
+OUTPUTS = tensors.OUTPUT_NAMES
 
 
 class DLMError(RuntimeError):
@@ -24,7 +28,7 @@ class DLMError(RuntimeError):
 
     @property
     def invalid(self) -> bool:
-        return "invalid request:" in str(self)
+        return PREFIX_INVALID in str(self)
 
 
 @dataclass
@@ -37,6 +41,8 @@ class Chunk:
     completion_tokens: int = 0
     steps: int = 0
     canvas: list[str | None] | None = None
+    forwards: int = 0  # forwards (NFE) used so far
+    tokens_per_forward: float = 0.0
 
     @property
     def final(self) -> bool:
@@ -50,14 +56,19 @@ class Chunk:
             value = get(name)
             return value.decode("utf-8") if isinstance(value, bytes) else str(value or "")
 
-        canvas = text("canvas")
+        canvas = text(tensors.CANVAS.name)
+        steps = int(get(tensors.STEPS.name) or 0)
+        forwards = int(get(tensors.FORWARDS.name) or steps)
+        completion = int(get(tensors.COMPLETION_TOKENS.name) or 0)
         return cls(
-            text=text("text_output"),
-            finish_reason=text("finish_reason"),
-            prompt_tokens=int(get("prompt_tokens") or 0),
-            completion_tokens=int(get("completion_tokens") or 0),
-            steps=int(get("steps") or 0),
+            text=text(tensors.TEXT_OUTPUT.name),
+            finish_reason=text(tensors.FINISH_REASON.name),
+            prompt_tokens=int(get(tensors.PROMPT_TOKENS.name) or 0),
+            completion_tokens=completion,
+            steps=steps,
             canvas=json.loads(canvas) if canvas else None,
+            forwards=forwards,
+            tokens_per_forward=tokens_per_forward(completion, forwards),
         )
 
 
@@ -72,6 +83,15 @@ class Completion:
     steps: int
     chunks: int = 1
 
+    @property
+    def forwards(self) -> int:
+        """Forwards (NFE) the request used (`steps` is the older name)."""
+        return self.steps
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return tokens_per_forward(self.completion_tokens, self.steps)
+
 
 def build_inputs(
     prompt: str | None = None,
@@ -82,23 +102,23 @@ def build_inputs(
     sampling: dict[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """Contract tensors (with the batch dimension of 1) for one request."""
+    t = tensors
     arrays: dict[str, np.ndarray] = {}
     if prompt is not None:
-        arrays["text_input"] = np.array([[prompt.encode("utf-8")]], dtype=np.object_)
+        arrays[t.TEXT_INPUT.name] = _bytes(prompt)
     if messages is not None:
-        arrays["messages"] = np.array([[json.dumps(messages).encode("utf-8")]], dtype=np.object_)
+        arrays[t.MESSAGES.name] = _bytes(json.dumps(messages))
     if input_ids is not None:
-        arrays["input_ids"] = np.array([list(input_ids)], dtype=np.int64)
+        arrays[t.INPUT_IDS.name] = np.array([list(input_ids)], dtype=t.INPUT_IDS.numpy_dtype)
     if stream is not None:
-        arrays["stream"] = np.array([[bool(stream)]], dtype=np.bool_)
+        arrays[t.STREAM.name] = np.array([[bool(stream)]], dtype=t.STREAM.numpy_dtype)
     if sampling:
-        arrays["sampling_parameters"] = np.array(
-            [[json.dumps(sampling).encode("utf-8")]], dtype=np.object_
-        )
+        arrays[t.SAMPLING_PARAMETERS.name] = _bytes(json.dumps(sampling))
     return arrays
 
 
-_TRITON_DTYPES = {np.object_: "BYTES", np.int64: "INT64", np.bool_: "BOOL"}
+def _bytes(text: str) -> np.ndarray:
+    return np.array([[text.encode("utf-8")]], dtype=np.object_)
 
 
 class DLMClient:
@@ -124,9 +144,7 @@ class DLMClient:
 
         inputs = []
         for name, array in arrays.items():
-            tensor = grpcclient.InferInput(
-                name, list(array.shape), _TRITON_DTYPES[array.dtype.type]
-            )
+            tensor = grpcclient.InferInput(name, list(array.shape), tensors.BY_NAME[name].datatype)
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         return inputs
@@ -193,15 +211,16 @@ class DLMClient:
     def _http_body(
         self, prompt: str | None, messages: Any, input_ids: Any, stream: bool, sampling: dict
     ) -> dict:
-        body: dict[str, Any] = {"stream": stream}
+        t = tensors
+        body: dict[str, Any] = {t.STREAM.name: stream}
         if prompt is not None:
-            body["text_input"] = prompt
+            body[t.TEXT_INPUT.name] = prompt
         if messages is not None:
-            body["messages"] = json.dumps(messages)
+            body[t.MESSAGES.name] = json.dumps(messages)
         if input_ids is not None:
-            body["input_ids"] = list(input_ids)
+            body[t.INPUT_IDS.name] = list(input_ids)
         if sampling:
-            body["sampling_parameters"] = json.dumps(sampling)
+            body[t.SAMPLING_PARAMETERS.name] = json.dumps(sampling)
         return body
 
     def stream_http(

@@ -13,11 +13,14 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from dlm_protocol.response import CHAT_ROLES
+
 from .config import EngineConfig
 from .errors import InvalidRequestError
 from .loader import LoadedModel, load_checkpoint
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
+from .prompt_limits import check_prompt_bytes, prompt_byte_cap, prompt_bytes
 from .sampling_params import ResolvedParams, SamplingParams, resolve
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -30,7 +33,7 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.loaded = loaded or load_checkpoint(
-            config.model, config.dtype, config.device, config.quantization
+            config.model, config.dtype, config.device, config.quantization, config.revision
         )
         lm = self.loaded
         self.family = lm.family
@@ -50,13 +53,16 @@ class Engine:
             max_cuda_graphs=config.max_cuda_graphs,
             fused_kernels=config.fused_kernels,
         )
-        self.scheduler = Scheduler(config.max_rows, config.max_queue, config.max_step_tokens)
+        self.scheduler = Scheduler(
+            config.max_rows, config.max_queue, config.max_step_tokens, config.phase_wait_steps
+        )
         self._texts: dict[str, StableText] = {}
         self._aborted: list[str] = []
         self.total_forwards = 0
         self.last_step_rows = 0
         self.last_step_seconds = 0.0
         self.mask_token = lm.tokenizer.convert_ids_to_tokens(lm.mask_id)
+        self.prompt_byte_cap = prompt_byte_cap(lm.tokenizer, config.max_prompt)
 
     # ---- requests -------------------------------------------------------------------------
     def encode_prompt(
@@ -75,6 +81,8 @@ class Engine:
             raise InvalidRequestError(
                 "prompt", "give exactly one of text_input, messages, input_ids"
             )
+        size = prompt_bytes(text, messages)  # before tokenizing: a len(), not seconds
+        check_prompt_bytes(size, self.prompt_byte_cap, self.config.max_prompt, given[0])
         if messages is not None:
             ids = self._encode_messages(messages)
         elif text is not None:
@@ -110,7 +118,7 @@ class Engine:
                 raise InvalidRequestError(
                     "messages", f"message {i} needs string 'role' and 'content'"
                 )
-            if m["role"] not in ("system", "user", "assistant"):
+            if m["role"] not in CHAT_ROLES:
                 raise InvalidRequestError("messages", f"message {i} has unknown role {m['role']!r}")
             if self.mask_token and self.mask_token in m["content"]:
                 raise InvalidRequestError(
@@ -150,6 +158,7 @@ class Engine:
             uses_blocks=self.family.uses_blocks_by_default,
             max_canvas=self.config.max_canvas,
             default_max_tokens=self.config.default_max_tokens,
+            model_defaults=self.loaded.decoding_defaults,
         )
 
     def add_request(
@@ -204,7 +213,11 @@ class Engine:
         windows = self.runner.step(seqs)
         self.total_forwards += 1
         now = time.monotonic()
-        for seq, window in zip(seqs, windows, strict=False):
+        failed = self.runner.failed_rows
+        for i, (seq, window) in enumerate(zip(seqs, windows, strict=False)):
+            if i in failed:  # this row alone ends with an error; the others go on
+                outputs.append(self._fail_row(seq, failed[i]))
+                continue
             seq.absorb(window)
             out = self._output_for(seq, now)
             if out is not None:
@@ -218,7 +231,8 @@ class Engine:
 
     def _output_for(self, seq: Sequence, now: float) -> RequestOutput | None:
         st = self._texts[seq.request_id]
-        done_canvas = seq.mask_id not in seq.canvas
+        # max_nfe spent: the last forward committed the active block; the request ends there.
+        done_canvas = seq.mask_id not in seq.canvas or seq.nfe_spent
         update = st.update(seq.committed_prefix(), canvas_complete=done_canvas)
         if update.finished:
             seq.finished = True
@@ -280,6 +294,24 @@ class Engine:
             )
         self._aborted.clear()
         return outs
+
+    def _fail_row(self, seq: Sequence, message: str) -> RequestOutput:
+        seq.finished = True
+        seq.finish_reason = "error"
+        st = self._texts.pop(seq.request_id)
+        return RequestOutput(
+            request_id=seq.request_id,
+            text=st.sent,
+            delta_text="",
+            token_ids=list(st.token_ids),
+            finished=True,
+            finish_reason="error",
+            prompt_tokens=seq.prompt_len,
+            completion_tokens=st.completion_tokens,
+            steps=seq.forwards,
+            error=message,
+            metrics=self._timing(seq, time.monotonic()),
+        )
 
     def drop_running(self) -> list[tuple[str, int]]:
         """Remove every running row (after a failed step); returns (request id, prompt tokens)."""

@@ -28,12 +28,16 @@ class EngineLoop:
         self._inbox: queue.Queue[tuple] = queue.Queue()
         self._callbacks: dict[str, OnOutput] = {}
         self._stop = threading.Event()
+        self._pending_adds = 0  # submitted, not yet handed to the engine (cancels not counted)
+        self._pending_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="dlm-engine", daemon=True)
         self._thread.start()
 
     def submit(
         self, request_id: str, prompt_ids: list[int], params: ResolvedParams, on_output: OnOutput
     ) -> None:
+        with self._pending_lock:
+            self._pending_adds += 1
         self._inbox.put(("add", request_id, prompt_ids, params, on_output))
 
     def cancel(self, request_id: str) -> None:
@@ -41,7 +45,8 @@ class EngineLoop:
 
     @property
     def queue_depth(self) -> int:
-        return self.engine.num_waiting + self._inbox.qsize()
+        """Requests waiting for a row: in the engine's queue or not yet handed to it."""
+        return self.engine.num_waiting + self._pending_adds
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop after the current step; unfinished requests get a final `abort` output."""
@@ -81,6 +86,8 @@ class EngineLoop:
     def _handle(self, item: tuple) -> None:
         if item[0] == "add":
             _, rid, prompt_ids, params, cb = item
+            with self._pending_lock:
+                self._pending_adds -= 1
             try:
                 self.engine.add_request(rid, prompt_ids, params)
                 self._callbacks[rid] = cb

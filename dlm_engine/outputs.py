@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dlm_protocol.response import tokens_per_forward
+
 
 @dataclass
 class RequestOutput:
@@ -21,3 +23,12 @@ class RequestOutput:
     canvas: list[str | None] | None = None
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def forwards(self) -> int:
+        """Forwards (NFE) the request used so far; `steps` is the older name."""
+        return self.steps
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return tokens_per_forward(self.completion_tokens, self.steps)

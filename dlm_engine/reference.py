@@ -208,3 +208,268 @@ def dream_generate(
             rows = torch.arange(x.size(0), device=x.device)[:, None].expand_as(transfer_index)
             x[rows, transfer_index] = x_[rows, transfer_index]
     return x
+
+
+# ---- issue 15: the accelerated loops, restated plainly (T = 0, batch 1, no cache) ----------
+
+
+def _entropy(logits: torch.Tensor, dtype: torch.dtype | None, eps: float) -> torch.Tensor:
+    p = F.softmax(logits.to(dtype) if dtype is not None else logits, dim=-1)
+    return -torch.sum(p * torch.log(p + eps), dim=-1)
+
+
+@torch.no_grad()
+def fast_dllm_factor_generate(
+    logits_fn: Logits,
+    prompt: torch.Tensor,
+    *,
+    mask_id: int,
+    gen_length: int,
+    block_length: int,
+    factor: float = 1.0,
+) -> torch.Tensor:
+    """NVlabs/Fast-dLLM `llada/generate.py`: `generate(..., factor=f)` (no cache), which calls
+    `get_transfer_index_dynamic`: with the masked confidences sorted c_0 >= c_1 >= ..., walk
+    i = 0, 1, ... and stop at the first i with c_i < 1 - f / (i + 2) (i = 0 always passes);
+    commit that many; a stop at the last index, or no stop, commits every mask. Blocks end
+    when they hold no mask (`steps` plays no part)."""
+    x = F.pad(prompt, (0, gen_length), value=mask_id)
+    p_len = prompt.shape[1]
+    for nb in range(gen_length // block_length):
+        end = p_len + (nb + 1) * block_length
+        while (x[:, end - block_length : end] == mask_id).any():
+            mask_index = x == mask_id
+            logits = logits_fn(x)
+            mask_index[:, end:] = False
+            x0 = torch.argmax(logits, dim=-1)
+            x0_p = torch.gather(F.softmax(logits.to(torch.float64), -1), -1, x0[..., None])[..., 0]
+            x0 = torch.where(mask_index, x0, x)
+            confidence = torch.where(mask_index, x0_p, -torch.inf)
+            transfer = torch.zeros_like(x0, dtype=torch.bool)
+            for j in range(x.shape[0]):
+                m = int(mask_index[j].sum())
+                threshs = [1 - factor / (n + 1) for n in range(1, m + 1)]
+                threshs[0] = -1
+                sorted_conf = torch.sort(confidence[j][mask_index[j]], descending=True)[0]
+                top_i = 0
+                for top_i in range(m):
+                    if sorted_conf[top_i] < threshs[top_i]:
+                        break
+                if top_i == 0 or top_i == m - 1:
+                    top_i += 1
+                _, idx = torch.topk(confidence[j], k=top_i)
+                transfer[j, idx] = True
+            x[transfer] = x0[transfer]
+    return x
+
+
+@torch.no_grad()
+def d3llm_entropy_generate(
+    logits_fn: Logits,
+    prompt: torch.Tensor,
+    *,
+    family: str,
+    mask_id: int,
+    gen_length: int,
+    block_length: int,
+    threshold: float,
+) -> torch.Tensor:
+    """hao-ai-lab/d3LLM single-block entropy threshold, blocks until each holds no mask.
+
+    LLaDA (`d3llm/d3llm_LLaDA/d3llm_llada_generate_util.py`, `generate(threshold=...)` ->
+    `get_transfer_index_entropy`): float64 entropy with eps 1e-12; the lowest-entropy mask is
+    always committed, the others while entropy <= threshold.
+    Dream (`d3llm/d3llm_DREAM/d3llm_dream_generate_util.py`, `_sample` with alg
+    `entropy_threshold`, as SGLang's `EntropyThreshold`): logits shifted right by one, entropy
+    in the logits' dtype with eps 1e-8; lowest always, the others while entropy < threshold."""
+    x = F.pad(prompt, (0, gen_length), value=mask_id)
+    p_len = prompt.shape[1]
+    for nb in range(gen_length // block_length):
+        start, end = p_len + nb * block_length, p_len + (nb + 1) * block_length
+        while (x[:, start:end] == mask_id).any():
+            mask_index = x == mask_id
+            logits = logits_fn(x)
+            if family == "dream":
+                logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+                entropy = _entropy(logits, None, 1e-8)
+            else:
+                entropy = _entropy(logits, torch.float64, 1e-12)
+            mask_index[:, end:] = False
+            x0 = torch.where(mask_index, torch.argmax(logits, dim=-1), x)
+            ent_sel = torch.where(mask_index, entropy, torch.inf)
+            transfer = torch.zeros_like(x, dtype=torch.bool)
+            for j in range(x.shape[0]):
+                k = int(mask_index[j].sum())
+                vals, idx = torch.topk(ent_sel[j], k=k, largest=False)
+                transfer[j, idx[0]] = True
+                for i in range(1, k):
+                    keep = vals[i] < threshold if family == "dream" else vals[i] <= threshold
+                    transfer[j, idx[i]] = bool(keep)
+            x[transfer] = x0[transfer]
+    return x
+
+
+@torch.no_grad()
+def d3llm_multi_block_generate(
+    logits_fn: Logits,
+    prompt: torch.Tensor,
+    *,
+    family: str,
+    mask_id: int,
+    gen_length: int,
+    block_size: int,
+    threshold: float,
+    block_add_threshold: float,
+    decoded_token_threshold: float,
+) -> torch.Tensor:
+    """hao-ai-lab/d3LLM `generate_multi_block` (LLaDA) / `_sample_multi_block` (Dream, as
+    SGLang PR #20615's `FullAttnMultiBlock`), without cache or early stop, batch 1.
+
+    Blocks of `block_size` after the prompt (block 0, complete). Each iteration: a block
+    whose predecessor has decoded >= decoded_token_threshold of its tokens becomes fully
+    activated; if the last block's progress is >= block_add_threshold (or it has no mask)
+    the next block is added, activated when its predecessor already passes that threshold;
+    the decode region is every mask up to the end of the rightmost block that is activated
+    or still holds masks. Full forward; float64 entropy (eps 1e-12). LLaDA commits the
+    lowest-entropy mask and every mask with entropy <= threshold; Dream (shifted logits)
+    every mask with entropy < threshold. If the first activated block still holding masks
+    got none, its lowest-entropy mask is committed. Mask counts drop by the commits."""
+    x = F.pad(prompt, (0, gen_length), value=mask_id)
+    p_len = prompt.shape[1]
+    num_blocks = gen_length // block_size
+    blocks = {0: dict(start=0, end=p_len, masks=0, total=p_len, active=True)}
+    blocks[1] = dict(
+        start=p_len,
+        end=p_len + block_size,
+        masks=block_size,
+        total=block_size,
+        active=decoded_token_threshold <= 1.0,
+    )
+    next_id = 2
+
+    def progress(b: dict) -> float:
+        return 1 - b["masks"] / b["total"]
+
+    while True:
+        mask_index = x == mask_id
+        if not mask_index[:, p_len:].any() and next_id > num_blocks:
+            break
+        for bid in sorted(blocks):
+            prev_done = bid > 0 and progress(blocks[bid - 1]) >= decoded_token_threshold
+            if prev_done and not blocks[bid]["active"]:
+                blocks[bid]["active"] = True
+        if next_id <= num_blocks:
+            last = blocks[max(blocks)]
+            if progress(last) >= block_add_threshold or last["masks"] == 0:
+                start = p_len + (next_id - 1) * block_size
+                blocks[next_id] = dict(
+                    start=start,
+                    end=start + block_size,
+                    masks=int((x[:, start : start + block_size] == mask_id).sum()),
+                    total=block_size,
+                    active=progress(blocks[next_id - 1]) >= decoded_token_threshold,
+                )
+                next_id += 1
+        rightmost = 0
+        for bid in sorted(blocks):
+            if blocks[bid]["active"] or blocks[bid]["masks"] > 0:
+                rightmost = bid
+        if rightmost == 0:
+            break
+        active_end = blocks[rightmost]["end"]
+        logits = logits_fn(x)
+        if family == "dream":
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        decode = mask_index.clone()
+        decode[:, active_end:] = False
+        entropy = _entropy(logits, torch.float64, 1e-12)
+        x0 = torch.where(decode, torch.argmax(logits, dim=-1), x)
+        if family == "dream":
+            transfer = (entropy < threshold) & decode
+        else:
+            ent_sel = torch.where(decode, entropy, torch.inf)
+            k = int(decode[0].sum())
+            vals, idx = torch.topk(ent_sel[0], k=k, largest=False)
+            transfer = torch.zeros_like(x, dtype=torch.bool)
+            transfer[0, idx] = True
+            for i in range(1, k):
+                if vals[i] > threshold:
+                    transfer[0, idx[i]] = False
+        first = next(
+            (b for bid, b in sorted(blocks.items()) if bid > 0 and b["active"] and b["masks"] > 0),
+            None,
+        )
+        if first is not None and not transfer[:, first["start"] : first["end"]].any():
+            ent_block = torch.where(
+                decode[:, first["start"] : first["end"]],
+                entropy[:, first["start"] : first["end"]],
+                torch.inf,
+            )
+            best = first["start"] + int(ent_block[0].argmin())
+            transfer[0, best] = True
+            x0[0, best] = torch.argmax(logits[0, best])
+        x[transfer] = x0[transfer]
+        for bid in sorted(blocks):
+            b = blocks[bid]
+            if bid > 0 and b["masks"] > 0:
+                b["masks"] -= int(transfer[:, b["start"] : b["end"]].sum())
+    return x
+
+
+@torch.no_grad()
+def local_leap_generate(
+    logits_fn: Logits,
+    prompt: torch.Tensor,
+    *,
+    mask_id: int,
+    steps: int,
+    gen_length: int,
+    block_length: int,
+    anchor_threshold: float = 0.9,
+    neighbor_threshold: float = 0.75,
+    radius: int = 4,
+) -> torch.Tensor:
+    """dlmserve 0.1.1 `denoise_loop.denoise` with `use_local_leap` (`sampler.commit_with_local_
+    leap`; LocalLeap, arXiv 2510.07081): LLaDA's blocks and linear per-block schedule k; the
+    confidence is softmax(logits) in the logits' dtype at the argmax, -inf outside the masked
+    active block. The k most confident are anchors; each anchor with confidence >= anchor
+    threshold also commits the masked positions within `radius` whose confidence >= neighbor
+    threshold. A block ends when it holds no mask, or after its steps.
+
+    One deliberate difference: dlmserve takes `topk(k)` even when fewer than k masks are left
+    in the block (its extra commits end blocks early), so the surplus picks fall on -inf
+    positions in an order torch leaves unspecified, which can commit tokens of later blocks.
+    Here k is capped at the masks left, which is what the algorithm means."""
+    x = F.pad(prompt, (0, gen_length), value=mask_id)
+    p_len = prompt.shape[1]
+    steps_per_block = steps // (gen_length // block_length)
+    offsets = torch.arange(-radius, radius + 1)
+    for nb in range(gen_length // block_length):
+        start, end = p_len + nb * block_length, p_len + (nb + 1) * block_length
+        schedule = num_transfer_tokens(x[:, start:end] == mask_id, steps_per_block)
+        for step in range(steps_per_block):
+            mask_index = x == mask_id
+            logits = logits_fn(x)
+            x0 = logits.argmax(dim=-1)
+            x0_p = logits.softmax(dim=-1).gather(-1, x0[..., None])[..., 0]
+            x0_p[:, end:] = -torch.inf
+            x0 = torch.where(mask_index, x0, x)
+            confidence = torch.where(mask_index, x0_p, -torch.inf)
+            new_x = x.clone()
+            for j in range(x.shape[0]):
+                k = min(int(schedule[j, step]), int(mask_index[j, start:end].sum()))
+                if k <= 0:
+                    continue
+                vals, idx = torch.topk(confidence[j], k=k)
+                new_x[j, idx] = x0[j, idx]
+                strong = idx[vals >= anchor_threshold]
+                if strong.numel() == 0:
+                    continue
+                near = (strong[:, None] + offsets[None, :]).clamp(0, x.shape[1] - 1).flatten()
+                near = torch.unique(near)
+                keep = near[confidence[j, near] >= neighbor_threshold]
+                new_x[j, keep] = x0[j, keep]
+            x = new_x
+            if not (x[:, start:end] == mask_id).any():
+                break
+    return x

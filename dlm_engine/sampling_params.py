@@ -1,65 +1,63 @@
 """A request's diffusion settings: parsed, validated, and resolved against the model family.
 
-`SamplingParams` is what a client asked for (unset values are `None`); `ResolvedParams` is what
-the engine runs, with every default filled and every constraint checked. Each invalid value
-raises one `InvalidRequestError` that names the field.
+`SamplingParams` is what a client asked for, checked key by key against the request contract
+(`dlm_protocol.params`: types, ranges, aliases); `ResolvedParams` is what the engine runs, with
+every default filled and the rules that need the model or several keys checked here, in the
+one place that knows the model. Each invalid value raises one `InvalidRequestError` naming the
+field.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
+
+from dlm_protocol import PARAMS, parse_params
+from dlm_protocol.params import (
+    ALGORITHMS,
+    CACHE_MODES,
+    DEFAULT_THRESHOLD,
+    MAX_ENTROPY_THRESHOLD,
+    MAX_STOP_STRINGS,
+    MIN_POSITIVE_TEMPERATURE,
+    STREAM_MODES,
+)
 
 from .errors import InvalidRequestError
 
-ALGORITHMS = (
-    "low_confidence",
-    "random",
-    "origin",
-    "maskgit_plus",
-    "topk_margin",
-    "entropy",
-    "threshold",
-)
-STREAM_MODES = ("delta", "denoise")
-CACHE_MODES = ("none", "prefix", "dual")
-DEFAULT_THRESHOLD = 0.9
-MAX_STOP_STRINGS = 16
+__all__ = [
+    "ALGORITHMS",
+    "CACHE_MODES",
+    "DEFAULT_THRESHOLD",
+    "MAX_STOP_STRINGS",
+    "STREAM_MODES",
+    "ResolvedParams",
+    "SamplingParams",
+    "resolve",
+]
 MAX_BLOCK_DEFAULT = 32
 
-ALIASES = {
-    "gen_length": "max_tokens",
-    "max_new_tokens": "max_tokens",
-    "max_completion_tokens": "max_tokens",
-    "num_denoising_steps": "steps",
-    "diffusion_steps": "steps",
-    "remasking": "algorithm",
-    "alg": "algorithm",
-    "block_size": "block_length",
-    "random_seed": "seed",
-}
+
+def numerically_safe(value: float | None) -> float | None:
+    """A positive temperature-like value raised to the contract's floor; 0 and None unchanged."""
+    if value is None or value <= 0:
+        return value
+    return max(value, MIN_POSITIVE_TEMPERATURE)
 
 
-@dataclass
 class SamplingParams:
-    """Per-request settings as given; `None` means "use the default"."""
+    """Per-request settings as given; a key left out reads as its contract default.
 
-    max_tokens: int | None = None
-    steps: int | None = None
-    block_length: int | None = None
-    algorithm: str | None = None
-    threshold: float | None = None
-    temperature: float = 0.0
-    top_p: float | None = None
-    top_k: int | None = None
-    alg_temp: float | None = None
-    cfg_scale: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stream_mode: str = "delta"
-    suppress_eos: bool = False
-    cache: str = "none"
+    Its keys are exactly `dlm_protocol.PARAMS` (a key added there is accepted here); values
+    are type- and range-checked on construction, aliases accepted, unknown keys refused.
+    """
+
+    def __init__(self, /, **values: Any) -> None:  # `self` positional-only: any key is data
+        given = parse_params(values)
+        for p in PARAMS:
+            default = list(p.default) if isinstance(p.default, tuple) else p.default
+            setattr(self, p.name, given.get(p.name, default))
+        self.given = frozenset(given)  # keys the client set (for logs and tests)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> SamplingParams:
@@ -68,64 +66,17 @@ class SamplingParams:
             return cls()
         if not isinstance(raw, dict):
             raise InvalidRequestError("sampling_parameters", "must be a JSON object")
-        known = {f.name: f for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for key, value in raw.items():
-            name = ALIASES.get(key, key)
-            if name not in known:
-                raise InvalidRequestError(key, "unknown parameter")
-            if value is None:
-                continue
-            values[name] = _coerce(name, value)
-        return cls(**values)
+        return cls(**raw)
 
+    def to_dict(self) -> dict[str, Any]:
+        return {p.name: getattr(self, p.name) for p in PARAMS}
 
-_INTS = {"max_tokens", "steps", "block_length", "top_k", "seed"}
-_FLOATS = {"threshold", "temperature", "top_p", "alg_temp", "cfg_scale"}
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SamplingParams) and self.to_dict() == other.to_dict()
 
-
-def _coerce(name: str, value: Any) -> Any:
-    if name in _INTS:
-        if isinstance(value, str):
-            try:
-                value = int(value)
-            except ValueError:
-                raise InvalidRequestError(name, f"must be an integer, got {value!r}") from None
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise InvalidRequestError(name, f"must be an integer, got {value!r}")
-        return value
-    if name in _FLOATS:
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                raise InvalidRequestError(name, f"must be a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InvalidRequestError(name, f"must be a number, got {value!r}")
-        if not math.isfinite(value):
-            raise InvalidRequestError(name, "must be finite")
-        return float(value)
-    if name == "stop":
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-            raise InvalidRequestError("stop", "must be a string or a list of strings")
-        if len(value) > MAX_STOP_STRINGS:
-            raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings")
-        if any(s == "" for s in value):
-            raise InvalidRequestError("stop", "stop strings must not be empty")
-        return list(value)
-    if name == "suppress_eos":
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        if not isinstance(value, bool):
-            raise InvalidRequestError(name, f"must be a boolean, got {value!r}")
-        return value
-    if not isinstance(value, str):
-        raise InvalidRequestError(name, f"must be a string, got {value!r}")
-    return value
+    def __repr__(self) -> str:
+        items = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items() if k in self.given)
+        return f"SamplingParams({items})"
 
 
 @dataclass(frozen=True)
@@ -147,6 +98,8 @@ class ResolvedParams:
     stream_mode: str
     suppress_eos: bool
     cache: str
+    max_nfe: int | None = None
+    accel: Acceleration = field(default_factory=lambda: Acceleration())
 
     @property
     def num_blocks(self) -> int:
@@ -173,17 +126,18 @@ def resolve(
     uses_blocks: bool,
     max_canvas: int,
     default_max_tokens: int,
+    model_defaults: dict[str, Any] | None = None,
 ) -> ResolvedParams:
-    """Check `p` against the family and limits, fill defaults; raise on the first bad field."""
-    max_tokens = default_max_tokens if p.max_tokens is None else p.max_tokens
-    max_tokens = min(max_tokens, max_canvas) if p.max_tokens is None else max_tokens
-    if max_tokens < 1:
-        raise InvalidRequestError("max_tokens", "must be >= 1")
+    """Check `p` against the family and limits, fill defaults; raise on the first bad field.
+
+    `model_defaults` are the checkpoint's own decoding defaults (e.g. d3LLM's multi-block
+    settings), applied to keys the request left unset."""
+    p = apply_model_defaults(p, model_defaults)
+    uses_blocks = uses_blocks or wants_blocks(p)
+    max_tokens = min(default_max_tokens, max_canvas) if p.max_tokens is None else p.max_tokens
     if max_tokens > max_canvas:
         raise InvalidRequestError("max_tokens", f"must be <= {max_canvas} (server limit)")
     steps = max_tokens if p.steps is None else p.steps
-    if steps < 1:
-        raise InvalidRequestError("steps", "must be >= 1")
     if steps > max_tokens:
         raise InvalidRequestError("steps", f"must be <= max_tokens ({max_tokens})")
     if p.block_length is None:
@@ -195,7 +149,7 @@ def resolve(
             )
     else:
         block = p.block_length
-        if block < 1 or block > max_tokens:
+        if block > max_tokens:
             raise InvalidRequestError("block_length", f"must be in [1, max_tokens={max_tokens}]")
         if max_tokens % block:
             raise InvalidRequestError("block_length", f"must divide max_tokens ({max_tokens})")
@@ -203,9 +157,7 @@ def resolve(
         raise InvalidRequestError(
             "steps", f"must be divisible by the number of blocks ({max_tokens // block})"
         )
-    algorithm = p.algorithm or ("threshold" if p.threshold is not None else default_algorithm)
-    if algorithm not in ALGORITHMS:
-        raise InvalidRequestError("algorithm", f"must be one of {', '.join(ALGORITHMS)}")
+    algorithm = pick_algorithm(p) or ("threshold" if p.threshold is not None else default_algorithm)
     if algorithm == "origin" and family != "dream":
         raise InvalidRequestError(
             "algorithm", "origin is Dream's algorithm; use low_confidence or random"
@@ -213,32 +165,22 @@ def resolve(
     threshold = p.threshold
     if algorithm == "threshold" and threshold is None:
         threshold = DEFAULT_THRESHOLD
-    if threshold is not None and not 0.0 < threshold <= 1.0:
-        raise InvalidRequestError("threshold", "must be in (0, 1]")
+    if algorithm == "entropy_threshold" and threshold is None:
+        threshold = DEFAULT_ENTROPY_THRESHOLD
+    if algorithm != "entropy_threshold" and threshold is not None and threshold > 1.0:
+        raise InvalidRequestError(
+            "threshold",
+            f"must be in (0, 1] for a confidence rule (up to {MAX_ENTROPY_THRESHOLD:g} nats "
+            "only with entropy_threshold)",
+        )
     if threshold is not None and algorithm in ("random", "origin", "entropy"):
         raise InvalidRequestError(
             "threshold", f"needs a confidence in [0, 1]; algorithm {algorithm} has none"
         )
-    if not 0.0 <= p.temperature <= 100.0:
-        raise InvalidRequestError("temperature", "must be in [0, 100]")
-    if p.top_p is not None and not 0.0 < p.top_p <= 1.0:
-        raise InvalidRequestError("top_p", "must be in (0, 1]")
-    if p.top_k is not None and p.top_k < 0:
-        raise InvalidRequestError("top_k", "must be >= 0 (0 disables)")
-    if p.alg_temp is not None and p.alg_temp < 0:
-        raise InvalidRequestError("alg_temp", "must be >= 0")
-    if p.cfg_scale < 0:
-        raise InvalidRequestError("cfg_scale", "must be >= 0")
     if p.cfg_scale > 0 and family != "llada":
         raise InvalidRequestError(
             "cfg_scale", "classifier-free guidance is supported for LLaDA only"
         )
-    if p.seed is not None and not 0 <= p.seed < 2**63:
-        raise InvalidRequestError("seed", "must be in [0, 2**63)")
-    if p.stream_mode not in STREAM_MODES:
-        raise InvalidRequestError("stream_mode", f"must be one of {', '.join(STREAM_MODES)}")
-    if p.cache not in CACHE_MODES:
-        raise InvalidRequestError("cache", f"must be one of {', '.join(CACHE_MODES)}")
     if p.cache != "none" and p.cfg_scale > 0:
         raise InvalidRequestError("cache", "cached mode cannot be combined with cfg_scale")
     return ResolvedParams(
@@ -247,14 +189,183 @@ def resolve(
         block_length=block,
         algorithm=algorithm,
         threshold=threshold,
-        temperature=p.temperature,
+        temperature=numerically_safe(p.temperature),
         top_p=p.top_p,
-        top_k=p.top_k or None,
-        alg_temp=p.alg_temp or None,
+        top_k=p.top_k,
+        alg_temp=numerically_safe(p.alg_temp) or None,
         cfg_scale=p.cfg_scale,
         seed=p.seed,
         stop=tuple(p.stop),
         stream_mode=p.stream_mode,
         suppress_eos=p.suppress_eos,
         cache=p.cache,
+        max_nfe=p.max_nfe,
+        accel=resolve_acceleration(p, family=family, algorithm=algorithm, threshold=threshold),
+    )
+
+
+# ==== issue 15: accelerated decoding — LocalLeap (dlmserve 0.1.1, arXiv 2510.07081), d3LLM
+# multi-block decoding and entropy threshold (hao-ai-lab/d3LLM, SGLang PR #20615), Fast-dLLM's
+# factor rule (NVlabs/Fast-dLLM llada/generate.py). Published defaults below. ====
+
+ACCELERATED_ALGORITHMS = ("local_leap", "entropy_threshold", "factor")
+DEFAULT_ENTROPY_THRESHOLD = 0.5  # d3LLM generate()/diffusion_generate(threshold=0.5)
+DEFAULT_FACTOR = 1.0  # Fast-dLLM get_transfer_index_dynamic(factor=1)
+DEFAULT_ANCHOR_THRESHOLD = 0.9  # dlmserve SamplingParams: kappa
+DEFAULT_NEIGHBOR_THRESHOLD = 0.75  # dlmserve SamplingParams: tau
+DEFAULT_LEAP_RADIUS = 4  # dlmserve SamplingParams: W
+MAX_LEAP_RADIUS = 16  # dlmserve's request range [1, 16]
+DEFAULT_BLOCK_ADD_THRESHOLD = 0.1  # d3LLM eval scripts and SGLang FullAttnMultiBlock
+DEFAULT_DECODED_TOKEN_THRESHOLD = 0.95  # idem
+MULTI_BLOCK_RULES = ("entropy_threshold", "threshold", "factor")
+LLADA_ONLY = {"local_leap": "dlmserve", "factor": "Fast-dLLM"}
+
+# keys that choose the decoding rule: a request naming any of them gets none of the model's
+# rule defaults (a d3LLM checkpoint's multi-block settings never mix into a request's own rule)
+_RULE_KEYS = (
+    "algorithm",
+    "threshold",
+    "factor",
+    "use_local_leap",
+    "multi_block",
+    "anchor_threshold",
+    "neighbor_threshold",
+    "leap_radius",
+)
+
+
+@dataclass(frozen=True)
+class Acceleration:
+    """The resolved settings of the accelerated rules (unused fields stay at their defaults)."""
+
+    factor: float = DEFAULT_FACTOR
+    anchor_threshold: float = DEFAULT_ANCHOR_THRESHOLD
+    neighbor_threshold: float = DEFAULT_NEIGHBOR_THRESHOLD
+    leap_radius: int = DEFAULT_LEAP_RADIUS
+    multi_block: bool = False
+    block_add_threshold: float = DEFAULT_BLOCK_ADD_THRESHOLD
+    decoded_token_threshold: float = DEFAULT_DECODED_TOKEN_THRESHOLD
+    max_active_blocks: int | None = None  # None: as many as the thresholds add (d3LLM)
+
+
+def apply_model_defaults(p: SamplingParams, defaults: dict[str, Any] | None) -> SamplingParams:
+    """The checkpoint's decoding defaults for keys the request did not set."""
+    if not defaults:
+        return p
+    rule_given = any(getattr(p, k) is not None for k in _RULE_KEYS)
+    fill = {
+        k: v
+        for k, v in defaults.items()
+        if getattr(p, k, None) is None and not (rule_given and k in _RULE_KEYS + _MB_KEYS)
+    }
+    if not fill:
+        return p
+    return SamplingParams(**{k: getattr(p, k) for k in p.given}, **fill)
+
+
+_MB_KEYS = ("block_add_threshold", "decoded_token_threshold", "max_active_blocks")
+
+
+def wants_blocks(p: SamplingParams) -> bool:
+    """Multi-block and d3LLM's entropy threshold decode in blocks (32 by default) on every
+    family, as published; Dream otherwise uses the whole canvas."""
+    return wants_multi_block(p) or p.algorithm == "entropy_threshold"
+
+
+def pick_algorithm(p: SamplingParams) -> str | None:
+    """The algorithm named by the request, including the seeds' switches."""
+    if p.use_local_leap:
+        if p.algorithm not in (None, "local_leap"):
+            raise InvalidRequestError(
+                "use_local_leap", f"selects local_leap; it conflicts with algorithm={p.algorithm}"
+            )
+        return "local_leap"
+    if p.algorithm:
+        return p.algorithm
+    if p.factor is not None:
+        return "factor"
+    if any(getattr(p, k) is not None for k in _LEAP_KEYS):  # LocalLeap's own keys imply it
+        return "local_leap"
+    if wants_multi_block(p):  # d3LLM's rule; its `threshold` is the entropy bound
+        return "entropy_threshold"
+    return None
+
+
+_LEAP_KEYS = ("anchor_threshold", "neighbor_threshold", "leap_radius")
+
+
+def wants_multi_block(p: SamplingParams) -> bool:
+    """`multi_block: true`, or one of its own keys given without `multi_block: false`."""
+    if p.multi_block is not None:
+        return bool(p.multi_block)
+    return any(getattr(p, k) is not None for k in _MB_KEYS)
+
+
+def _unit(name: str, value: float | None, *, zero_ok: bool = False) -> None:
+    if value is None:
+        return
+    ok = (0.0 <= value <= 1.0) if zero_ok else (0.0 < value <= 1.0)
+    if not ok:
+        raise InvalidRequestError(name, f"must be in {'[0' if zero_ok else '(0'}, 1]")
+
+
+def resolve_acceleration(
+    p: SamplingParams, *, family: str, algorithm: str, threshold: float | None
+) -> Acceleration:
+    """Check the accelerated rules' keys and fill their published defaults."""
+    if algorithm in LLADA_ONLY and family != "llada":
+        raise InvalidRequestError(
+            "algorithm", f"{algorithm} is published for LLaDA ({LLADA_ONLY[algorithm]}) only"
+        )
+    if algorithm != "local_leap":
+        for key in _LEAP_KEYS:
+            if getattr(p, key) is not None:
+                raise InvalidRequestError(key, "applies to algorithm local_leap only")
+    if p.factor is not None and algorithm != "factor":
+        raise InvalidRequestError("factor", "applies to algorithm factor only")
+    if algorithm in ("factor", "local_leap") and threshold is not None:
+        raise InvalidRequestError("threshold", f"algorithm {algorithm} takes no threshold")
+    if p.factor is not None and not 0.0 < p.factor <= 100.0:
+        raise InvalidRequestError("factor", "must be in (0, 100]")
+    _unit("anchor_threshold", p.anchor_threshold, zero_ok=True)
+    _unit("neighbor_threshold", p.neighbor_threshold, zero_ok=True)
+    if p.leap_radius is not None and not 1 <= p.leap_radius <= MAX_LEAP_RADIUS:
+        raise InvalidRequestError("leap_radius", f"must be in [1, {MAX_LEAP_RADIUS}]")
+    multi = wants_multi_block(p)
+    if not multi:
+        for key in _MB_KEYS:
+            if getattr(p, key) is not None:
+                raise InvalidRequestError(key, "applies to multi_block decoding only (not false)")
+    else:
+        if algorithm not in MULTI_BLOCK_RULES:
+            raise InvalidRequestError(
+                "algorithm",
+                f"multi_block needs a commit rule without a step schedule: "
+                f"{', '.join(MULTI_BLOCK_RULES)}",
+            )
+        if p.cache != "none":
+            raise InvalidRequestError(
+                "cache", "multi_block runs d3LLM's no-cache loop; use cache none"
+            )
+        if p.cfg_scale > 0:
+            raise InvalidRequestError("multi_block", "cannot be combined with cfg_scale")
+        _unit("block_add_threshold", p.block_add_threshold, zero_ok=True)
+        _unit("decoded_token_threshold", p.decoded_token_threshold)
+        if p.max_active_blocks is not None and p.max_active_blocks < 1:
+            raise InvalidRequestError("max_active_blocks", "must be >= 1")
+    if algorithm in ACCELERATED_ALGORITHMS and p.alg_temp:
+        raise InvalidRequestError("alg_temp", f"does not apply to algorithm {algorithm}")
+
+    def pick(value, default):
+        return default if value is None else value
+
+    return Acceleration(
+        factor=pick(p.factor, DEFAULT_FACTOR),
+        anchor_threshold=pick(p.anchor_threshold, DEFAULT_ANCHOR_THRESHOLD),
+        neighbor_threshold=pick(p.neighbor_threshold, DEFAULT_NEIGHBOR_THRESHOLD),
+        leap_radius=pick(p.leap_radius, DEFAULT_LEAP_RADIUS),
+        multi_block=multi,
+        block_add_threshold=pick(p.block_add_threshold, DEFAULT_BLOCK_ADD_THRESHOLD),
+        decoded_token_threshold=pick(p.decoded_token_threshold, DEFAULT_DECODED_TOKEN_THRESHOLD),
+        max_active_blocks=p.max_active_blocks,
     )

@@ -1,4 +1,13 @@
-"""Who joins the next denoising step: FIFO admission under row and token budgets."""
+"""Who joins the next denoising step: FIFO admission under row and token budgets, with cached
+rows admitted in phase with the running cached rows.
+
+A cached row's step is either a refresh (a full forward that rewrites its KV cache, at a block
+start) or an in-block span over its cache; each kind is its own forward. Rows that arrive at
+different times would sit at different block phases, so almost every step would pay both
+forwards. A waiting cached row therefore joins when the running cached rows are about to
+refresh (or none run), waiting at most ``phase_wait_steps`` steps; exact rows and rows behind
+it are not held up. Which step a row joins never changes its tokens.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +20,16 @@ from .sequence import Sequence
 class Scheduler:
     """Waiting queue plus the running set; requests join and leave between steps."""
 
-    def __init__(self, max_rows: int, max_queue: int, max_step_tokens: int) -> None:
+    def __init__(
+        self, max_rows: int, max_queue: int, max_step_tokens: int, phase_wait_steps: int = 0
+    ) -> None:
         self.max_rows = max_rows
         self.max_queue = max_queue
         self.max_step_tokens = max_step_tokens
+        self.phase_wait_steps = phase_wait_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._held: dict[str, int] = {}  # request id -> steps held back for phase
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.max_queue:
@@ -27,18 +40,36 @@ class Scheduler:
         """Move waiting requests into the batch while rows and tokens allow (at least one)."""
         rows = sum(s.rows for s in self.running)
         tokens = sum(s.length * s.rows for s in self.running)
-        while self.waiting:
-            seq = self.waiting[0]
+        in_phase = self._cached_rows_in_phase()
+        for seq in list(self.waiting):
             fits = (
                 rows + seq.rows <= self.max_rows
                 and tokens + seq.length * seq.rows <= self.max_step_tokens
             )
             if self.running and not fits:
                 break
-            self.waiting.popleft()
+            if not in_phase and self._hold(seq):
+                continue
+            self.waiting.remove(seq)
+            self._held.pop(seq.request_id, None)
             self.running.append(seq)
             rows += seq.rows
             tokens += seq.length * seq.rows
+
+    def _cached_rows_in_phase(self) -> bool:
+        """True when a cached row joining now would refresh together with the running ones."""
+        cached = [s for s in self.running if s.params.cache != "none"]
+        return not cached or any(s.step_in_block == 0 for s in cached)
+
+    def _hold(self, seq: Sequence) -> bool:
+        """Hold a cached row back one more step, unless it has waited long enough."""
+        if seq.params.cache == "none" or self.phase_wait_steps <= 0:
+            return False
+        held = self._held.get(seq.request_id, 0)
+        if held >= self.phase_wait_steps:
+            return False
+        self._held[seq.request_id] = held + 1
+        return True
 
     def remove(self, request_id: str) -> Sequence | None:
         """Take a request out wherever it is; None if unknown."""
@@ -49,6 +80,7 @@ class Scheduler:
         for seq in self.waiting:
             if seq.request_id == request_id:
                 self.waiting.remove(seq)
+                self._held.pop(request_id, None)
                 return seq
         return None
 

@@ -7,6 +7,7 @@ import time
 import torch
 
 from .decoding import DreamSchedule, llada_block_schedule
+from .decoding.multi_block import MultiBlockState
 from .sampling_params import ResolvedParams
 
 
@@ -53,6 +54,11 @@ class Sequence:
         self.first_token_time: float | None = None
         self._llada_schedule = llada_block_schedule(params.block_length, params.steps_per_block)
         self._dream_schedule = DreamSchedule(params.steps_per_block)
+        self.multi = (  # d3LLM multi-block decoding: several blocks in flight (issue 15)
+            MultiBlockState(params.max_tokens, params.block_length, params.accel)
+            if params.accel.multi_block
+            else None
+        )
 
     @property
     def length(self) -> int:
@@ -61,15 +67,32 @@ class Sequence:
     @property
     def window_start(self) -> int:
         """Absolute position of the active block's first token."""
+        if self.multi is not None:
+            return self.prompt_len + self.multi.window()[0]
         return self.prompt_len + self.block * self.params.block_length
 
     @property
     def window_width(self) -> int:
+        if self.multi is not None:
+            lo, hi = self.multi.window()
+            return hi - lo
         return self.params.block_length
 
     @property
+    def last_forward(self) -> bool:
+        """This step is the last `max_nfe` allows: it commits the whole active block."""
+        cap = self.params.max_nfe
+        return cap is not None and self.forwards + 1 >= cap
+
+    @property
+    def nfe_spent(self) -> bool:
+        """The request used the forwards `max_nfe` allows (it ends with what it committed)."""
+        cap = self.params.max_nfe
+        return cap is not None and self.forwards >= cap
+
+    @property
     def uses_threshold(self) -> bool:
-        return self.params.threshold is not None
+        return self.params.threshold is not None and not self.last_forward
 
     @property
     def rows(self) -> int:
@@ -78,19 +101,25 @@ class Sequence:
 
     def transfer_count(self) -> int:
         """Tokens the family's schedule commits at this step (unused in threshold mode)."""
-        if self.step_in_block >= self.params.steps_per_block:
+        if self.step_in_block >= self.params.steps_per_block or self.last_forward:
             return self.masks_in_block  # budget spent: commit what is left
         if self.family == "llada":
             return self._llada_schedule[self.step_in_block]
         return self._dream_schedule.count(self.step_in_block, self.masks_in_block)
 
     def origin_probability(self) -> float:
+        if self.last_forward:
+            return 1.0  # every masked position of the canvas is committed now
         return self._dream_schedule.origin_probability(self.step_in_block)
 
     def absorb(self, window_tokens: list[int]) -> None:
         """Take the step's committed window into the host mirror and advance the schedule."""
-        start = self.block * self.params.block_length
+        start = self.window_start - self.prompt_len
         self.canvas[start : start + len(window_tokens)] = window_tokens
+        if self.multi is not None:
+            self.forwards += 1
+            self.multi.absorb(self.canvas, self.mask_id)
+            return
         self.masks_in_block = sum(1 for t in window_tokens if t == self.mask_id)
         self.forwards += 1
         self.step_in_block += 1

@@ -174,3 +174,42 @@ def make_tiny_checkpoint(
     write_checkpoint(out, cfg, state)
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return out
+
+
+def seed_hub_cache(
+    checkpoint: str | Path,
+    cache_dir: str | Path,
+    repo_id: str,
+    commit: str = "0123456789abcdef0123456789abcdef01234567",
+    refs: tuple[str, ...] = ("main",),
+) -> Path:
+    """Put a checkpoint folder into a Hugging Face Hub cache as a download would leave it
+    (huggingface_hub's documented layout), so tests and air-gapped hosts can load it by id.
+
+    ``models--<org>--<name>/blobs/<hash>`` holds each file once (safetensors under their sha256,
+    as Git LFS files are; others under their git blob sha1), ``snapshots/<commit>/<file>``
+    links to the blob, and ``refs/<branch>`` holds the commit. Returns the snapshot folder.
+    """
+    import hashlib
+    import os
+
+    repo = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    blobs, snapshot = repo / "blobs", repo / "snapshots" / commit
+    blobs.mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for src in sorted(Path(checkpoint).iterdir()):
+        if not src.is_file():
+            continue
+        data = src.read_bytes()
+        if src.suffix == ".safetensors":
+            digest = hashlib.sha256(data).hexdigest()
+        else:
+            digest = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        (blobs / digest).write_bytes(data)
+        link = snapshot / src.name
+        link.unlink(missing_ok=True)
+        link.symlink_to(os.path.relpath(blobs / digest, snapshot))
+    (repo / "refs").mkdir(exist_ok=True)
+    for ref in refs:
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot

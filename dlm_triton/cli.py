@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dlm_protocol import PARAMS, Param
 from dlm_triton.launcher import DEFAULT_MODEL, Ports, StartAborted, TritonServerProcess
 
 
@@ -19,6 +20,9 @@ def _serve_parser(sub: Any) -> None:
         help=f"checkpoint directory, hub id, or name in model_repository/ (default {DEFAULT_MODEL})",
     )
     p.add_argument("--model-name", help="Triton model name for a checkpoint directory")
+    p.add_argument(
+        "--revision", help="Hub branch, tag or commit of a Hub id (pin a commit in production)"
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument(
         "--dtype", help="auto (the checkpoint's torch_dtype), bfloat16, float16, float32"
@@ -38,6 +42,16 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--ready-timeout", type=float, default=1800.0, help="model load limit (s)")
     p.add_argument("--log-file", type=Path, help="tritonserver log (default: this terminal)")
     p.add_argument("--verbose", action="store_true", help="tritonserver --log-verbose=1")
+    p.add_argument(
+        "--admin-key-file",
+        type=Path,
+        help="key for Triton's admin APIs (default ~/.cache/dlm-triton/admin-key, generated)",
+    )
+    p.add_argument(
+        "--no-restrict-admin",
+        action="store_true",
+        help="leave Triton's model control, logging, trace and shm APIs open",
+    )
 
 
 def _generate_parser(sub: Any) -> None:
@@ -52,16 +66,41 @@ def _generate_parser(sub: Any) -> None:
     mode.add_argument("--chat", dest="chat", action="store_true", default=True,
                       help="apply the chat template (default)")  # fmt: skip
     mode.add_argument("--raw", dest="chat", action="store_false", help="raw prompt, no template")
-    p.add_argument("--max-tokens", type=int)
-    p.add_argument("--steps", type=int)
-    p.add_argument("--block-length", type=int)
-    p.add_argument("--algorithm")
-    p.add_argument("--threshold", type=float)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--seed", type=int)
+    for param in PARAMS:  # one flag per request key of the contract
+        _param_flag(p, param)
     p.add_argument("--param", action="append", default=[], metavar="KEY=JSON",
-                   help="any other sampling key, e.g. --param cache='\"prefix\"'")  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print the final usage as JSON")
+                   help="any request key as JSON, e.g. --param stop='[\"END\"]'")  # fmt: skip
+    p.add_argument(
+        "--json", action="store_true", help="print the final usage as JSON (stdout, last line)"
+    )
+
+
+_FLAG_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _param_flag(parser: argparse.ArgumentParser, param: Param) -> None:
+    flag = "--" + param.name.replace("_", "-")
+    help_text = f"{param.doc.split('. ')[0].rstrip('.')}; {param.values_text()} "
+    help_text = f"{help_text}(default: {param.default_doc})".replace("%", "%%")
+    if param.kind == "bool":
+        parser.add_argument(flag, dest=param.name, action="store_true", default=None,
+                            help=help_text)  # fmt: skip
+    elif param.kind == "stop":
+        parser.add_argument(flag, dest=param.name, action="append", metavar="TEXT",
+                            help=help_text + "; repeatable")  # fmt: skip
+    else:
+        parser.add_argument(flag, dest=param.name, type=_FLAG_TYPES[param.kind],
+                            metavar=param.kind.upper(), help=help_text)  # fmt: skip
+
+
+def _download_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "download",
+        help="fetch a model's checkpoint into the Hugging Face cache (HF_HOME), e.g. to pre-seed "
+        "an air-gapped host; the same files serve downloads",
+    )
+    p.add_argument("model", help="a Hub id (org/name) or a name in model_repository/")
+    p.add_argument("--revision", help="Hub branch, tag or commit (default: the model's, or main)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +108,34 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _generate_parser(sub)
+    _download_parser(sub)
     return parser
+
+
+def download(args: argparse.Namespace) -> int:
+    """Resolve the checkpoint the launcher would serve, and fetch it into the Hub cache."""
+    import os
+
+    from dlm_triton.checkpoint_fetch import served_checkpoint
+    from dlm_triton.launcher import committed_repository
+
+    checkpoint, revision = args.model, args.revision
+    config = committed_repository() / args.model / "config.pbtxt"
+    if config.exists():
+        checkpoint, named = served_checkpoint(config, os.environ)
+        revision = revision or named
+    from dlm_engine.hub import is_hub_id, resolve_checkpoint
+
+    if checkpoint is None or not is_hub_id(checkpoint):
+        print(f"error: {args.model!r} names no Hub id ({checkpoint})", file=sys.stderr)
+        return 2
+    try:
+        folder = resolve_checkpoint(checkpoint, revision)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(folder)
+    return 0
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -79,6 +145,7 @@ def serve(args: argparse.Namespace) -> int:
             "max_rows": args.max_rows,
             "max_canvas": args.max_canvas,
             "max_prompt": args.max_prompt,
+            "revision": args.revision,
         }.items()
         if v is not None
     }
@@ -98,6 +165,8 @@ def serve(args: argparse.Namespace) -> int:
         gpu_metrics=True if args.gpu_metrics else None,
         die_with_parent=True,
         verbose=args.verbose,
+        restrict_admin=not args.no_restrict_admin,
+        admin_key_file=args.admin_key_file,
     )
     print(f"starting tritonserver for {args.model or DEFAULT_MODEL} ...", file=sys.stderr)
     server.install_signal_handlers()  # before start: a stop during loading cleans up too
@@ -106,6 +175,12 @@ def serve(args: argparse.Namespace) -> int:
     except StartAborted as exc:
         print(f"{exc}; stopped", file=sys.stderr)
         return 0
+    except (FileNotFoundError, ValueError) as exc:  # no such model/checkpoint, corrupt shard
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, TimeoutError) as exc:  # the server or the proxy did not come up
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"ready: {server.describe()}", flush=True)
     print(
         f"try: dlm-triton generate 'Hello' --model {server.model_name} "
@@ -116,8 +191,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("max_tokens", "steps", "block_length", "algorithm", "threshold", "temperature", "seed")
-    sampling = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+    sampling = {p.name: getattr(args, p.name) for p in PARAMS if getattr(args, p.name) is not None}
     for item in args.param:
         key, _, value = item.partition("=")
         try:
@@ -149,20 +223,30 @@ def generate(args: argparse.Namespace) -> int:
         return 2
     if args.stream:
         print()
-    if args.json and last is not None:
-        usage = {
-            "finish_reason": last.finish_reason,
-            "prompt_tokens": last.prompt_tokens,
-            "completion_tokens": last.completion_tokens,
-            "steps": last.steps,
-        }
+    if last is None:
+        return 0
+    usage = {
+        "finish_reason": last.finish_reason,
+        "prompt_tokens": last.prompt_tokens,
+        "completion_tokens": last.completion_tokens,
+        "steps": last.steps,
+        "forwards": last.forwards,
+        "tokens_per_forward": last.tokens_per_forward,
+    }
+    if args.json:
         print(json.dumps(usage))
+    else:  # on stderr: stdout stays the completion alone
+        print(
+            f"[{usage['finish_reason']}: {usage['completion_tokens']} tokens in "
+            f"{usage['forwards']} forwards, {usage['tokens_per_forward']:.2f} tokens/forward]",
+            file=sys.stderr,
+        )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return {"serve": serve, "generate": generate}[args.command](args)
+    return {"serve": serve, "generate": generate, "download": download}[args.command](args)
 
 
 if __name__ == "__main__":

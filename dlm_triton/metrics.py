@@ -72,6 +72,11 @@ class Metrics:
         self.generated_tokens = self._metric(
             "dlm_generated_tokens_total", "Completion tokens generated", counter
         )
+        self.restarts = self._metric(
+            "dlm_model_restarts_total",
+            "Times the launcher restarted the server because the model (stub) or server died",
+            counter,
+        )
 
     def _family(self, name: str, doc: str, kind: Any) -> Any:
         with self._families_lock:

@@ -13,31 +13,25 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dlm_protocol import limits, tensors
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMMITTED_REPOSITORY = REPO_ROOT / "model_repository"
 CPU_CONFIG_NAME = "config_cpu"
+
+
+def _dims(spec: tensors.TensorSpec) -> str:
+    return "[ " + ", ".join(str(d) for d in spec.dims) + " ]"
+
 
 SHIM = '''"""Triton Python backend entry point; the adapter lives in dlm_triton.triton_model."""
 
 from dlm_triton.triton_model import TritonPythonModel  # noqa: F401
 '''
 
-# (name, type, dims) per docs/architecture.md "Triton model contract".
-INPUTS = [
-    ("text_input", "TYPE_STRING", "[ 1 ]"),
-    ("messages", "TYPE_STRING", "[ 1 ]"),
-    ("input_ids", "TYPE_INT64", "[ -1 ]"),
-    ("stream", "TYPE_BOOL", "[ 1 ]"),
-    ("sampling_parameters", "TYPE_STRING", "[ 1 ]"),
-]
-OUTPUTS = [
-    ("text_output", "TYPE_STRING", "[ 1 ]"),
-    ("finish_reason", "TYPE_STRING", "[ 1 ]"),
-    ("prompt_tokens", "TYPE_INT32", "[ 1 ]"),
-    ("completion_tokens", "TYPE_INT32", "[ 1 ]"),
-    ("steps", "TYPE_INT32", "[ 1 ]"),
-    ("canvas", "TYPE_STRING", "[ 1 ]"),
-]
+# (name, type, dims) from the request contract (dlm_protocol.tensors).
+INPUTS = [(t.name, t.config_type, _dims(t)) for t in tensors.INPUTS]
+OUTPUTS = [(t.name, t.config_type, _dims(t)) for t in tensors.OUTPUTS]
 
 
 @dataclass
@@ -45,18 +39,20 @@ class ModelSpec:
     """What differs between served models: the checkpoint and engine limits."""
 
     name: str
-    checkpoint: str
+    checkpoint: str  # a directory, an embedded asset, or a Hub id (org/name)
+    revision: str | None = None  # Hub branch, tag or commit; None = main (DLM_REVISION overrides)
     dtype: str = "auto"
     quantization: str = "none"
-    max_rows: int = 16
-    max_canvas: int = 1024
-    max_prompt: int = 2048
-    max_queue: int = 256
+    max_rows: int = limits.MAX_ROWS
+    max_canvas: int = limits.MAX_CANVAS
+    max_prompt: int = limits.MAX_PROMPT
+    max_queue: int = limits.MAX_QUEUE
     extra: dict[str, str] = field(default_factory=dict)
 
     def parameters(self, device: str) -> dict[str, str]:
         params = {
             "checkpoint": self.checkpoint,
+            **({"revision": self.revision} if self.revision else {}),
             "dtype": self.dtype,
             "device": device,
             "quantization": self.quantization,
@@ -76,6 +72,9 @@ MODELS = [
     ModelSpec("llada-8b-instruct", "GSAI-ML/LLaDA-8B-Instruct", dtype="bfloat16"),
     ModelSpec("llada-1.5", "GSAI-ML/LLaDA-1.5", dtype="bfloat16"),
     ModelSpec("dream-v0-instruct-7b", "Dream-org/Dream-v0-Instruct-7B", dtype="bfloat16"),
+    # d3LLM (issue 15): LLaDA / Dream layouts; multi-block decoding is their default
+    ModelSpec("d3llm-llada", "d3LLM/d3LLM_LLaDA", dtype="bfloat16"),
+    ModelSpec("d3llm-dream", "d3LLM/d3LLM_Dream", dtype="bfloat16"),
 ]
 
 
@@ -106,6 +105,14 @@ def render_config(spec: ModelSpec, kind: str) -> str:
     for key, value in spec.parameters(device).items():
         lines.append(f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}')
     return "\n".join(lines) + "\n"
+
+
+_PARAMETER = re.compile(r'parameters \{ key: "([^"]+)" value: \{ string_value: "([^"]*)" \} \}')
+
+
+def read_parameters(config: Path) -> dict[str, str]:
+    """The ``parameters`` of a ``config.pbtxt`` written by :func:`render_config`."""
+    return dict(_PARAMETER.findall(config.read_text()))
 
 
 def _tensor_block(tensors: list[tuple[str, str, str]], optional: bool) -> list[str]:

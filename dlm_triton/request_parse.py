@@ -14,7 +14,10 @@ from typing import Any
 
 import numpy as np
 
-PROMPT_INPUTS = ("text_input", "messages", "input_ids")
+from dlm_protocol.errors import PREFIX_INVALID
+from dlm_protocol.tensors import PROMPT_INPUT_NAMES as PROMPT_INPUTS
+from dlm_protocol.tensors import SAMPLING_PARAMETERS, STREAM
+
 # Request parameters Triton or tritonclient add themselves; never sampling keys.
 _RESERVED_PREFIXES = ("triton_", "sequence_", "priority", "timeout", "binary_data")
 
@@ -23,7 +26,7 @@ class RequestError(ValueError):
     """A bad request; ``str()`` is the message sent to the client."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(f"invalid request: {message}")
+        super().__init__(f"{PREFIX_INVALID} {message}")
 
 
 @dataclass
@@ -54,12 +57,18 @@ def _text(name: str, array: np.ndarray) -> str:
     raise RequestError(f"{name}: expected a string (BYTES tensor)")
 
 
-def _messages(array: np.ndarray) -> list[dict[str, str]]:
-    raw = _text("messages", array)
+def _json(name: str, raw: str) -> Any:
+    """Parsed JSON; nesting deep enough to exhaust the parser's recursion is a bad request."""
     try:
-        messages = json.loads(raw)
+        return json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise RequestError(f"messages: not valid JSON ({exc.msg})") from exc
+        raise RequestError(f"{name}: not valid JSON ({exc.msg})") from exc
+    except RecursionError:
+        raise RequestError(f"{name}: JSON nested too deeply") from None
+
+
+def _messages(array: np.ndarray) -> list[dict[str, str]]:
+    messages = _json("messages", _text("messages", array))
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages: expected a non-empty JSON list of {role, content}")
     for i, msg in enumerate(messages):
@@ -96,10 +105,7 @@ def parse_parameters(raw: str | None) -> dict[str, Any]:
     """``request.parameters()`` JSON, minus keys Triton/tritonclient reserve."""
     if not raw:
         return {}
-    try:
-        params = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise RequestError(f"parameters: not valid JSON ({exc.msg})") from exc
+    params = _json("parameters", raw)
     if not isinstance(params, dict):
         raise RequestError("parameters: expected an object")
     return {k: v for k, v in params.items() if not k.startswith(_RESERVED_PREFIXES)}
@@ -110,9 +116,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: str | None) -> Pars
     given = [name for name in PROMPT_INPUTS if name in inputs]
     if len(given) != 1:
         found = ", ".join(given) or "none"
-        raise RequestError(
-            f"exactly one of text_input, messages, input_ids is required (got {found})"
-        )
+        raise RequestError(f"exactly one of {', '.join(PROMPT_INPUTS)} is required (got {found})")
     kind = given[0]
     if kind == "text_input":
         prompt: Any = _text("text_input", inputs[kind])
@@ -130,15 +134,12 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: str | None) -> Pars
         if not isinstance(value, bool):
             raise RequestError("stream: expected true or false")
         stream = value
-    if "stream" in inputs:
-        stream = _stream(inputs["stream"])
-    if "sampling_parameters" in inputs:
-        raw = _text("sampling_parameters", inputs["sampling_parameters"])
+    if STREAM.name in inputs:
+        stream = _stream(inputs[STREAM.name])
+    if SAMPLING_PARAMETERS.name in inputs:
+        raw = _text(SAMPLING_PARAMETERS.name, inputs[SAMPLING_PARAMETERS.name])
         if raw.strip():
-            try:
-                tensor_params = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise RequestError(f"sampling_parameters: not valid JSON ({exc.msg})") from exc
+            tensor_params = _json("sampling_parameters", raw)
             if not isinstance(tensor_params, dict):
                 raise RequestError("sampling_parameters: expected a JSON object")
             sampling.update(tensor_params)  # the tensor wins on conflict

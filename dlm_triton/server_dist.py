@@ -93,19 +93,50 @@ def default_cache_dir() -> Path:
 def model_env(
     base: dict[str, str] | None = None, lib_dirs: list[Path] | None = None
 ) -> dict[str, str]:
-    """Environment for tritonserver: the venv's ``bin`` first on PATH (the stub picks its
-    ``site-packages`` from there; PYTHONPATH is ignored by it) and the needed libraries."""
+    """Environment for tritonserver and its stubs.
+
+    In a venv, its ``bin`` goes first on PATH (the stub picks its ``site-packages`` from there;
+    PYTHONPATH is ignored by it). ``lib_dirs`` go in front of the inherited LD_LIBRARY_PATH and
+    nothing else is added: a system folder such as ``/usr/lib/x86_64-linux-gnu`` on
+    LD_LIBRARY_PATH would override the torch wheel's RUNPATH, so torch could load the image's
+    NCCL or cuDNN instead of the ones it was built against.
+    """
     env = dict(os.environ if base is None else base)
-    venv_bin = str(Path(sys.executable).parent)  # not resolved: a venv's python is a symlink
-    env["PATH"] = os.pathsep.join([venv_bin, env.get("PATH", "/usr/bin:/bin")])
-    libs = [str(p) for p in (lib_dirs or [])] + ["/usr/lib/x86_64-linux-gnu"]
+    if sys.prefix != sys.base_prefix:
+        venv_bin = str(Path(sys.executable).parent)  # not resolved: a venv's python is a symlink
+        env["PATH"] = os.pathsep.join([venv_bin, env.get("PATH", "/usr/bin:/bin")])
+        env["VIRTUAL_ENV"] = sys.prefix
+    libs = [str(p) for p in (lib_dirs or [])]
     if env.get("LD_LIBRARY_PATH"):
         libs.append(env["LD_LIBRARY_PATH"])
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
-    if sys.prefix != sys.base_prefix:
-        env["VIRTUAL_ENV"] = sys.prefix
+    if libs:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def libpython_dir(cache: Path | None = None, tag: str | None = None) -> Path | None:
+    """A folder holding one link, to this interpreter's shared libpython, which the wheel's stub
+    embeds: the stub finds it wherever Python lives (Debian's ``/usr/lib/x86_64-linux-gnu``,
+    pyenv, conda) without that whole folder going on LD_LIBRARY_PATH. None if there is none."""
+    import sysconfig
+
+    tag = tag or python_tag()
+    name = sysconfig.get_config_var("INSTSONAME") or f"libpython{tag}.so.1.0"
+    candidates = [Path(sysconfig.get_config_var("LIBDIR") or "/nonexistent") / name]
+    candidates.append(Path("/usr/lib/x86_64-linux-gnu") / f"libpython{tag}.so.1.0")
+    source = next((c for c in candidates if c.exists()), None)
+    if source is None:
+        return None
+    folder = (cache or default_cache_dir()) / f"py{tag}" / "libpython"
+    folder.mkdir(parents=True, exist_ok=True)
+    link = folder / source.name
+    if not (link.is_symlink() and link.resolve() == source.resolve()):
+        tmp = folder / f".{source.name}.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(source)
+        tmp.replace(link)  # atomic: parallel launchers race here
+    return folder
 
 
 def _ensure_exec(path: Path) -> None:
@@ -164,7 +195,9 @@ def assemble_backend(root: Path, cache: Path | None = None, tag: str | None = No
 
 
 def _system_dist() -> ServerDist | None:
-    """NVIDIA's container layout: the backends there already match its Python."""
+    """NVIDIA's container layout: the backends there already match its Python, and the image's
+    own environment (LD_LIBRARY_PATH with the CUDA compat libraries that NVIDIA's entrypoint
+    manages, RUNPATHs of tritonserver) is already right: it is passed on unchanged."""
     found = shutil.which("tritonserver")
     binary = Path(found) if found else SYSTEM_ROOT / "bin" / "tritonserver"
     if not binary.exists():
@@ -173,17 +206,23 @@ def _system_dist() -> ServerDist | None:
     backends = root / "backends"
     if not (backends / "python").is_dir():
         return None
-    return ServerDist(binary, backends, model_env(lib_dirs=[root / "lib"]), source="system")
+    return ServerDist(binary, backends, model_env(), source="system")
 
 
 def _wheel_dist(cache: Path | None = None) -> ServerDist | None:
+    """The wheel's server needs its bundled libraries and the stub the interpreter's libpython;
+    nothing else goes on LD_LIBRARY_PATH."""
     root = wheel_root()
     if root is None:
         return None
     binary = root / "bin" / "tritonserver"
     _ensure_exec(binary)
     backends = assemble_backend(root, cache)
-    return ServerDist(binary, backends, model_env(lib_dirs=_wheel_libs(root)), source="wheel")
+    libs = _wheel_libs(root)
+    libpython = libpython_dir(cache)
+    if libpython is not None:
+        libs.append(libpython)
+    return ServerDist(binary, backends, model_env(lib_dirs=libs), source="wheel")
 
 
 def find_server(prefer: str = "auto", cache: Path | None = None) -> ServerDist:

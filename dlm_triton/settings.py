@@ -11,9 +11,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dlm_protocol import limits
+
 # parameter key -> env var that overrides it
 ENV_OVERRIDES = {
     "checkpoint": "DLM_CHECKPOINT",
+    "revision": "DLM_REVISION",
     "dtype": "DLM_DTYPE",
     "device": "DLM_DEVICE",
     "quantization": "DLM_QUANTIZATION",
@@ -28,13 +31,14 @@ ASSETS_DIR = Path(__file__).resolve().parent.parent / "dlm_engine" / "assets"
 @dataclass
 class InstanceSettings:
     checkpoint: str
+    revision: str | None = None  # Hub revision when checkpoint is a Hub id
     dtype: str = "auto"
     device: str = "cpu"
     quantization: str = "none"
-    max_rows: int = 16
-    max_canvas: int = 1024
-    max_prompt: int = 2048
-    max_queue: int = 256
+    max_rows: int = limits.MAX_ROWS
+    max_canvas: int = limits.MAX_CANVAS
+    max_prompt: int = limits.MAX_PROMPT
+    max_queue: int = limits.MAX_QUEUE
 
 
 def config_parameters(model_config: dict) -> dict[str, str]:
@@ -85,6 +89,7 @@ def resolve_settings(
                 ) from exc
     return InstanceSettings(
         checkpoint=resolve_checkpoint(merged["checkpoint"], model_dir),
+        revision=merged.get("revision") or None,
         dtype=merged.get("dtype", "auto"),
         device=device,
         quantization=merged.get("quantization", "none"),

@@ -23,8 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from dlm_protocol import tensors
+from dlm_protocol.errors import ERROR_PREFIXES, PREFIX_INTERNAL
+from dlm_triton.intake import Intake
 from dlm_triton.metrics import Metrics
-from dlm_triton.request_parse import PROMPT_INPUTS, RequestError, parse_request
+from dlm_triton.request_parse import RequestError, parse_request
 from dlm_triton.settings import config_parameters, resolve_settings
 
 try:  # only importable inside the Python backend stub
@@ -32,7 +35,7 @@ try:  # only importable inside the Python backend stub
 except ImportError:  # pragma: no cover - docs, linters, unit tests
     pb_utils = None
 
-INPUT_NAMES = (*PROMPT_INPUTS, "stream", "sampling_parameters")
+INPUT_NAMES = tuple(t.name for t in tensors.INPUTS)
 WATCH_INTERVAL_S = 0.02
 DRAIN_TIMEOUT_S = float(os.environ.get("DLM_DRAIN_TIMEOUT", "5"))  # launcher: exit timeout / 2
 # Written by the launcher before it stops tritonserver: drain now (see launcher._drain).
@@ -56,12 +59,10 @@ class _Live:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _bytes_tensor(name: str, text: str) -> Any:
-    return pb_utils.Tensor(name, np.array([[text.encode("utf-8")]], dtype=np.object_))
-
-
-def _int_tensor(name: str, value: int | None) -> Any:
-    return pb_utils.Tensor(name, np.array([[int(value or 0)]], dtype=np.int32))
+def _output_tensor(spec: tensors.TensorSpec, value: Any) -> Any:
+    """One ``[1, 1]`` output of the contract's datatype (BYTES as UTF-8)."""
+    value = str(value or "").encode("utf-8") if spec.datatype == "BYTES" else value or 0
+    return pb_utils.Tensor(spec.name, np.array([[value]], dtype=spec.numpy_dtype))
 
 
 class TritonPythonModel:
@@ -83,6 +84,7 @@ class TritonPythonModel:
         s = self.settings
         wanted = {
             "model": s.checkpoint,
+            "revision": s.revision,
             "dtype": s.dtype,
             "device": s.device,
             "max_rows": s.max_rows,
@@ -97,6 +99,8 @@ class TritonPythonModel:
         self.engine = Engine(EngineConfig(**{k: v for k, v in wanted.items() if k in accepted}))
         self.instance_name = args.get("model_instance_name", "0")
         self.metrics = Metrics(pb_utils, self.model_name, self.instance_name)
+        # the launcher counts restarts across server lives and hands the count to each one
+        self.metrics.restarts.increment(int(os.environ.get("DLM_RESTARTS") or 0))
 
         self._live: dict[str, _Live] = {}
         self._live_lock = threading.Lock()
@@ -105,15 +109,19 @@ class TritonPythonModel:
         self._closing = False
         self._stop = threading.Event()
         self.loop = EngineLoop(self.engine, on_step=self._on_step)
+        self._intake = Intake()
         self._sender = threading.Thread(target=self._send_loop, name="dlm-sender", daemon=True)
         self._watcher = threading.Thread(target=self._watch_loop, name="dlm-watch", daemon=True)
         self._sender.start()
         self._watcher.start()
         import torch
 
+        from dlm_engine.loader import choose_dtype
+
+        dtype, why = choose_dtype(s.dtype, self.engine.loaded.config, s.device)
         pb_utils.Logger.log_info(
             f"dlm model {self.model_name}: checkpoint={s.checkpoint} device={s.device} "
-            f"dtype={s.dtype} max_rows={s.max_rows} torch_threads={torch.get_num_threads()}"
+            f"dtype={dtype} ({why}) max_rows={s.max_rows} torch_threads={torch.get_num_threads()}"
         )
 
     def _on_step(self, rows: int) -> None:
@@ -127,6 +135,7 @@ class TritonPythonModel:
         and end every request still open with a final response."""
         self._closing = True
         started = time.monotonic()
+        self._intake.shutdown()  # large requests being parsed end (refused) before the drain
         pb_utils.Logger.log_info(
             f"dlm model {self.model_name}: finalize, {len(self._live)} in flight"
         )
@@ -154,20 +163,26 @@ class TritonPythonModel:
     # ------------------------------------------------------------------ requests
     def execute(self, requests: list) -> None:
         for request in requests:
-            self._accept(request)
+            t0 = time.monotonic()
+            try:
+                inputs = self._inputs(request)
+            except Exception as exc:  # any failure must still end the request
+                self._reject(request.get_response_sender(), f"internal error: {exc}", "error")
+                continue
+            # a large prompt is parsed and tokenized on a worker, never before small ones
+            self._intake.accept(inputs, lambda r=request, i=inputs, t=t0: self._accept(r, i, t))
         return None
 
-    def _accept(self, request: Any) -> None:
+    def _accept(self, request: Any, inputs: dict[str, np.ndarray], t0: float) -> None:
         from dlm_engine import InvalidRequestError, SamplingParams
 
         sender = request.get_response_sender()
-        t0 = time.monotonic()
         try:
             if self._closing:
                 raise _Refused("overloaded: the server is shutting down")
             if len(self._live) >= self.settings.max_queue:
                 raise _Refused(f"overloaded: {len(self._live)} requests in flight, try again later")
-            parsed = parse_request(self._inputs(request), request.parameters())
+            parsed = parse_request(inputs, request.parameters())
             params = self.engine.resolve_params(SamplingParams.from_dict(parsed.sampling))
             prompt_ids = self.engine.encode_prompt(
                 **{_ENCODE_KW[parsed.prompt_kind]: parsed.prompt}
@@ -224,8 +239,8 @@ class TritonPythonModel:
         error = getattr(out, "error", None)
         if error:
             message = str(error)
-            if not message.startswith(("invalid request:", "overloaded:", "internal error:")):
-                message = f"internal error: {message}"
+            if not message.startswith(ERROR_PREFIXES):
+                message = f"{PREFIX_INTERNAL} {message}"
             self._fail(live, message)
             return
         if out.delta_text and live.first_text_at is None:
@@ -252,15 +267,18 @@ class TritonPythonModel:
 
     def _response(self, text: str, finish_reason: str, out: Any) -> Any:
         canvas = json.dumps(out.canvas) if getattr(out, "canvas", None) is not None else ""
+        values = {
+            tensors.TEXT_OUTPUT: text,
+            tensors.FINISH_REASON: finish_reason,
+            tensors.PROMPT_TOKENS: out.prompt_tokens,
+            tensors.COMPLETION_TOKENS: out.completion_tokens,
+            tensors.STEPS: out.steps,
+            tensors.FORWARDS: out.steps,
+            tensors.TOKENS_PER_FORWARD: out.tokens_per_forward,
+            tensors.CANVAS: canvas,
+        }
         return pb_utils.InferenceResponse(
-            output_tensors=[
-                _bytes_tensor("text_output", text or ""),
-                _bytes_tensor("finish_reason", finish_reason),
-                _int_tensor("prompt_tokens", out.prompt_tokens),
-                _int_tensor("completion_tokens", out.completion_tokens),
-                _int_tensor("steps", out.steps),
-                _bytes_tensor("canvas", canvas),
-            ]
+            output_tensors=[_output_tensor(spec, values[spec]) for spec in tensors.OUTPUTS]
         )
 
     def _send(self, live: _Live, response: Any, final: bool) -> None:

@@ -1,7 +1,8 @@
 """`python -m openai_proxy --port 9000 --triton-url localhost:8001`: serve with uvicorn.
 
-On SIGTERM/SIGINT uvicorn stops accepting connections and lets running responses (streams
-included) finish for up to --drain-timeout seconds before the lifespan closes the Triton clients.
+On SIGTERM/SIGINT new calls get 503 `draining` while running responses (streams included)
+finish for up to --drain-timeout seconds (openai_proxy/drain.py); then uvicorn closes the
+listener and the lifespan closes the Triton clients.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ import uvicorn
 
 from .app import create_app
 from .config import config_from_args
+from .drain import DrainingServer
+from .security import check_exposure
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = config_from_args(argv)
+        check_exposure(cfg)
     except ValueError as exc:
         print(f"openai_proxy: {exc}", file=sys.stderr)
         return 2
@@ -27,22 +31,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=cfg.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(cfg),
-            host=cfg.host,
-            port=cfg.port,
-            log_level=cfg.log_level,
-            timeout_graceful_shutdown=max(1, round(cfg.drain_timeout_s)),
-            lifespan="on",
-            proxy_headers=False,
-        )
+    app = create_app(cfg)
+    config = uvicorn.Config(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level=cfg.log_level,
+        timeout_graceful_shutdown=max(1, round(cfg.drain_timeout_s)),
+        lifespan="on",
+        proxy_headers=False,
     )
+    server = DrainingServer(
+        config,
+        begin_drain=app.state.begin_drain,
+        in_flight=app.state.in_flight,
+        drain_timeout_s=cfg.drain_timeout_s,
+    )
+    # One server on both sockets (API, and /metrics when it has its own port): one lifespan,
+    # one drain; security.MetricsGate routes by the connection's local port.
+    sockets = [config.bind_socket()]
+    if cfg.metrics_port:
+        metrics = uvicorn.Config(
+            config.app, host=cfg.metrics_host or cfg.host, port=cfg.metrics_port
+        )
+        sockets.append(metrics.bind_socket())
     # uvicorn re-raises the caught signal after its graceful shutdown, so the process would die
     # "by SIGTERM" (status -15) even after a clean drain. No-op handlers make it exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    server.run(sockets=sockets)
     return 0
 
 

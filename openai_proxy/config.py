@@ -10,10 +10,14 @@ import argparse
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from dlm_protocol import limits
 
 from .replicas import validate_targets
 
 ENV_PREFIX = "DLM_PROXY_"
+PLAYGROUND_MODES = ("auto", "on", "off")
 
 
 def _split_list(value: str) -> list[str]:
@@ -34,7 +38,7 @@ def _parse_bool(value: str) -> bool:
 class ProxyConfig:
     """All knobs of the proxy. Defaults suit a local `dlm-triton serve`."""
 
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # beyond loopback needs API keys or allow_no_auth (security.py)
     port: int = 9000
     # gRPC endpoints of one or more tritonservers serving the same models; `dns:HOST:PORT` is
     # every address HOST resolves to (a headless Service), re-resolved every resolve_interval_s.
@@ -47,10 +51,18 @@ class ProxyConfig:
     models: list[str] = field(default_factory=list)
     # Where Triton's Prometheus metrics live; /metrics points there.
     triton_metrics_url: str = "http://localhost:8002/metrics"
-    # Bearer keys accepted on /v1/*; empty list = auth off.
+    # Bearer keys accepted on /v1/*; empty list (and no key file) = auth off.
     api_keys: list[str] = field(default_factory=list)
-    # Upper bound on max_tokens (canvas length) a client may ask for.
-    max_tokens_limit: int = 4096
+    # A file of keys, one per line (a compose secret), added to api_keys.
+    api_keys_file: str = ""
+    # Serve without keys on a non-loopback address (another layer authenticates).
+    allow_no_auth: bool = False
+    # A separate port for /metrics (0 = /metrics on the API port, behind the keys if any).
+    metrics_port: int = 0
+    metrics_host: str = ""  # address of the metrics port; empty = host
+    # Upper bound on max_tokens (canvas length) a client may ask for (each model's own
+    # max_canvas applies too; the engine reports it).
+    max_tokens_limit: int = limits.PROXY_MAX_TOKENS_LIMIT
     # Upper bound on n (choices per prompt) and on the total Triton requests one call fans out to.
     max_n: int = 16
     max_fanout: int = 64
@@ -60,6 +72,11 @@ class ProxyConfig:
     cors_origins: list[str] = field(default_factory=list)
     # Whole-request timeout (seconds) for one Triton stream.
     request_timeout_s: float = 600.0
+    # File holding the key of Triton's restricted admin APIs (the repository index the health
+    # probe reads); sent as the `dlm-admin-key` header. Empty: no header.
+    triton_admin_key_file: str = ""
+    # A Triton stream that sends nothing for this long is ended (504 / SSE error event).
+    stream_idle_timeout_s: float = 300.0
     # Timeout for health and index calls to Triton.
     health_timeout_s: float = 2.0
     # How often each Triton URL is probed for readiness and its model list.
@@ -71,7 +88,14 @@ class ProxyConfig:
     drain_timeout_s: float = 30.0
     # Retry-After value (seconds) on 503 answers.
     retry_after_s: int = 2
+    # The browser playground at /playground: "auto" = on only while no API keys are configured
+    # (a page anyone can open should not sit in front of a keyed server unless asked), "on", "off".
+    playground: str = "auto"
     log_level: str = "info"
+
+    def playground_enabled(self, has_keys: bool) -> bool:
+        """`has_keys`: API keys from any source (flags, env, the key file: security.py)."""
+        return self.playground == "on" or (self.playground == "auto" and not has_keys)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ProxyConfig:
@@ -95,16 +119,23 @@ class ProxyConfig:
         validate_targets(self.triton_urls)
         if self.retries < 0:
             raise ValueError("retries must be >= 0")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError("metrics_port must be 0 (off) or a TCP port")
         for name in (
             "request_timeout_s",
+            "stream_idle_timeout_s",
             "health_timeout_s",
             "health_interval_s",
             "resolve_interval_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.triton_admin_key_file and not Path(self.triton_admin_key_file).is_file():
+            raise ValueError(f"triton_admin_key_file {self.triton_admin_key_file} is not a file")
         if self.first_event_wait_s < 0 or self.drain_timeout_s < 0:
             raise ValueError("first_event_wait_s and drain_timeout_s must be >= 0")
+        if self.playground not in PLAYGROUND_MODES:
+            raise ValueError(f"playground must be one of {', '.join(PLAYGROUND_MODES)}")
 
 
 def _convert(name: str, current: object, raw: str) -> object:
@@ -126,7 +157,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
         prog="python -m openai_proxy",
         description="OpenAI-compatible HTTP proxy in front of tritonserver (diffusion LMs).",
     )
-    p.add_argument("--host", help="bind address (DLM_PROXY_HOST, default 0.0.0.0)")
+    p.add_argument(
+        "--host",
+        help="bind address (DLM_PROXY_HOST, default 127.0.0.1; others need API keys)",
+    )
     p.add_argument("--port", type=int, help="HTTP port (DLM_PROXY_PORT, default 9000)")
     p.add_argument(
         "--triton-url",
@@ -164,6 +198,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
         metavar="KEY",
         help="accepted bearer key; repeat for several; none = auth off (DLM_PROXY_API_KEYS)",
     )
+    p.add_argument("--api-keys-file", help="file of accepted keys, one per line")
+    p.add_argument(
+        "--allow-no-auth",
+        action="store_true",
+        default=None,
+        help="serve without keys on a non-loopback address (DLM_PROXY_ALLOW_NO_AUTH)",
+    )
+    p.add_argument("--metrics-port", type=int, help="serve /metrics on this port only")
+    p.add_argument("--metrics-host", help="address of the metrics port (default: --host)")
     p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens accepted")
     p.add_argument("--max-n", type=int, help="largest n accepted")
     p.add_argument("--max-fanout", type=int, help="largest prompts x n per call")
@@ -176,11 +219,22 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="allowed CORS origin ('*' for any); repeat for several",
     )
     p.add_argument("--request-timeout", type=float, dest="request_timeout_s")
+    p.add_argument(
+        "--triton-admin-key-file",
+        help="file with the key of Triton's restricted admin APIs (DLM_PROXY_TRITON_ADMIN_KEY_FILE)",
+    )
+    p.add_argument("--stream-idle-timeout", type=float, dest="stream_idle_timeout_s")
     p.add_argument("--health-timeout", type=float, dest="health_timeout_s")
     p.add_argument("--health-interval", type=float, dest="health_interval_s")
     p.add_argument("--first-event-wait", type=float, dest="first_event_wait_s")
     p.add_argument("--drain-timeout", type=float, dest="drain_timeout_s")
     p.add_argument("--retry-after", type=int, dest="retry_after_s")
+    p.add_argument(
+        "--playground",
+        choices=PLAYGROUND_MODES,
+        help="browser playground at /playground: auto (default) = on unless API keys are "
+        "configured (DLM_PROXY_PLAYGROUND)",
+    )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     return p
 

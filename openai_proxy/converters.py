@@ -12,6 +12,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from dlm_protocol.response import OPENAI_FINISH_REASONS, ROLE_ALIASES, tokens_per_forward
+from dlm_protocol.tensors import INPUT_IDS, MESSAGES, TEXT_INPUT
+
 from .config import ProxyConfig
 from .errors import InvalidRequest
 from .schemas import (
@@ -21,7 +24,7 @@ from .schemas import (
     _RequestBase,
 )
 
-FINISH_REASONS = ("stop", "length")
+FINISH_REASONS = OPENAI_FINISH_REASONS
 
 
 @dataclass
@@ -49,6 +52,7 @@ class TritonEvent:
     steps: int = 0
     canvas: list[str | None] | None = None
     final: bool = False
+    forwards: int = 0  # forwards (NFE) used so far; 0 = not reported
 
 
 @dataclass
@@ -62,6 +66,14 @@ class ChoiceResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    forwards: int = 0
+
+    def absorb(self, ev: TritonEvent) -> None:
+        """Take one Triton response of this choice into the running totals."""
+        self.text += ev.text
+        self.prompt_tokens = ev.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = ev.completion_tokens or self.completion_tokens
+        self.forwards = ev.forwards or self.forwards
 
 
 def new_id(prefix: str) -> str:
@@ -84,10 +96,6 @@ def sampling_parameters(req: _RequestBase, choice: int, limits: ProxyConfig) -> 
     params: dict[str, Any] = {}
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
-    for key in ("temperature", "top_p", "top_k"):
-        value = getattr(req, key)
-        if value is not None:
-            params[key] = value
     if req.seed is not None:
         params["seed"] = req.seed + choice
     stops = req.stop_list()
@@ -122,7 +130,7 @@ def messages_json(req: ChatCompletionRequest) -> str:
     """
     out = []
     for m in req.messages:
-        role = "system" if m.role == "developer" else m.role
+        role = ROLE_ALIASES.get(m.role, m.role)
         out.append({"role": role, "content": m.text()})
     return json.dumps(out, ensure_ascii=False)
 
@@ -136,7 +144,7 @@ def chat_jobs(req: ChatCompletionRequest, base_id: str, limits: ProxyConfig) -> 
             request_id=f"{base_id}-{i}",
             choice_index=i,
             prompt_index=0,
-            prompt_input="messages",
+            prompt_input=MESSAGES.name,
             prompt_value=msgs,
             sampling_parameters=sampling_parameters(req, i, limits),
             stream=req.stream,
@@ -158,7 +166,7 @@ def completion_jobs(req: CompletionRequest, base_id: str, limits: ProxyConfig) -
                     request_id=f"{base_id}-{index}",
                     choice_index=index,
                     prompt_index=p_idx,
-                    prompt_input="text_input" if isinstance(prompt, str) else "input_ids",
+                    prompt_input=TEXT_INPUT.name if isinstance(prompt, str) else INPUT_IDS.name,
                     prompt_value=prompt,
                     sampling_parameters=sampling_parameters(req, i, limits),
                     stream=req.stream,
@@ -174,14 +182,23 @@ def openai_finish_reason(reason: str | None) -> str | None:
     return None
 
 
-def usage_of(results: list[ChoiceResult]) -> dict[str, int]:
-    """Prompt tokens counted once per prompt (as OpenAI does for n > 1), completions summed."""
+def usage_of(results: list[ChoiceResult]) -> dict[str, Any]:
+    """Prompt tokens counted once per prompt (as OpenAI does for n > 1), completions summed.
+
+    The diffusion extras (`forwards`, `tokens_per_forward`; see dlm_protocol.response) are
+    added when Triton reported forwards: summed over choices, like completion tokens.
+    """
     prompt_tokens: dict[int, int] = {}
     for r in results:
         prompt_tokens[r.prompt_index] = max(prompt_tokens.get(r.prompt_index, 0), r.prompt_tokens)
     p = sum(prompt_tokens.values())
     c = sum(r.completion_tokens for r in results)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    usage: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    forwards = sum(r.forwards for r in results)
+    if forwards:
+        usage["forwards"] = forwards
+        usage["tokens_per_forward"] = tokens_per_forward(c, forwards)
+    return usage
 
 
 def chat_response(

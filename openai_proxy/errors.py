@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-# Triton message prefixes agreed in docs/architecture.md.
-PREFIX_INVALID = "invalid request:"
-PREFIX_OVERLOADED = "overloaded:"
-PREFIX_INTERNAL = "internal error:"
+# The message prefixes are the request contract's (one source for model, adapter and proxy).
+from dlm_protocol.errors import PREFIX_INTERNAL, PREFIX_INVALID, PREFIX_OVERLOADED
 
 # Substrings of gRPC / Triton messages that mean the server could not be reached or is going away.
 _UNAVAILABLE_MARKERS = (
@@ -25,6 +23,7 @@ _UNAVAILABLE_MARKERS = (
     "server not ready",
     "no healthy",
     "broken pipe",
+    "is not healthy",  # Triton: "Stub process '<model>_0_0' is not healthy" (being restarted)
 )
 _NOT_FOUND_MARKERS = ("unknown model", "is not found", "no model named")
 _TIMEOUT_MARKERS = ("deadline exceeded", "deadline_exceeded", "statuscode.deadline_exceeded")
@@ -120,7 +119,7 @@ def error_body(
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def _param_of(message: str) -> str | None:
+def param_of(message: str) -> str | None:
     """`invalid request: steps: must be >= 1` names the field after the prefix."""
     rest = message.split(":", 1)[1].strip() if ":" in message else ""
     head, sep, _ = rest.partition(":")
@@ -144,7 +143,7 @@ def from_triton_message(message: str, retry_after_s: int = 2) -> ProxyError:
             continue
         core = text[idx:]
         if build == "invalid":
-            return InvalidRequest(core, param=_param_of(core), code="invalid_value")
+            return InvalidRequest(core, param=param_of(core), code="invalid_value")
         if build == "overloaded":
             return ServiceUnavailable(core, retry_after_s, code="overloaded")
         return InternalError(core, code="model_error")

@@ -3,36 +3,41 @@
 Request models forbid unknown fields and reject OpenAI features a diffusion model cannot honour
 (logprobs, tools, response_format, penalties, ...) with a 400 naming the field, instead of
 silently ignoring them. Neutral values (`presence_penalty: 0`, `logprobs: false`, ...) that chat
-UIs send by default are accepted. Ranges are declared on the fields so they show in /docs.
+UIs send by default are accepted. OpenAI's own fields are typed strictly, as OpenAI does (no
+string-to-bool or string-to-number coercion). Every key of the request contract
+(`dlm_protocol.PARAMS`) is a field generated from it: its aliases, its check (the engine's own,
+so the message and field are the same over every surface) and its JSON schema for /docs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     AliasChoices,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationInfo,
+    WithJsonSchema,
+    create_model,
     field_validator,
     model_validator,
 )
 from pydantic.json_schema import SkipJsonSchema
 
-Algorithm = Literal[
-    "low_confidence", "random", "origin", "maskgit_plus", "topk_margin", "entropy", "threshold"
-]
-StreamMode = Literal["delta", "denoise"]
-CacheMode = Literal["none", "prefix", "dual"]
+from dlm_protocol import BY_NAME, PARAM_NAMES, PARAMS, InvalidRequestError, Param
+from dlm_protocol.params import conflict_reason
+from dlm_protocol.response import CHAT_ROLES, CHUNK_EXTRAS, ROLE_ALIASES, USAGE_EXTRAS
 
-# Alias groups from docs/architecture.md; the first name is canonical.
+# OpenAI's own fields that share a name with a contract alias (handled by the proxy itself).
+_OPENAI_OWN = frozenset({"max_completion_tokens"})
+
+# Alias groups from the request contract; the first name is canonical.
 ALIASES: dict[str, tuple[str, ...]] = {
-    "max_tokens": ("max_tokens", "max_new_tokens", "gen_length"),
-    "steps": ("steps", "num_denoising_steps", "diffusion_steps"),
-    "algorithm": ("algorithm", "remasking", "alg"),
-    "block_length": ("block_length", "block_size"),
+    p.name: (p.name, *(a for a in p.aliases if a not in _OPENAI_OWN)) for p in PARAMS
 }
 
 # OpenAI fields we know but cannot honour. Value = the neutral values accepted silently.
@@ -62,18 +67,12 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
 }
 
-# Diffusion keys forwarded to Triton's `sampling_parameters` JSON as they are.
-DIFFUSION_KEYS = (
-    "steps",
-    "block_length",
-    "algorithm",
-    "threshold",
-    "alg_temp",
-    "cfg_scale",
-    "stream_mode",
-    "suppress_eos",
-    "cache",
-)
+# alias -> contract key, to name the key (as the engine does) when a value sent by alias is bad.
+KEY_OF_ALIAS: dict[str, str] = {a: name for name, names in ALIASES.items() for a in names[1:]}
+
+# Contract keys forwarded to Triton's `sampling_parameters` JSON as they are (the converters
+# handle max_tokens, seed and stop themselves: limits, seed + choice, string or list).
+DIFFUSION_KEYS = tuple(name for name in PARAM_NAMES if name not in ("max_tokens", "seed", "stop"))
 
 _Unsupported = SkipJsonSchema[Any]
 
@@ -81,95 +80,65 @@ _Unsupported = SkipJsonSchema[Any]
 class StreamOptions(BaseModel):
     """OpenAI `stream_options`; unknown sub-fields (e.g. include_obfuscation) are ignored."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = Field(
         False, description="Send a last chunk with `usage` and empty `choices`."
     )
 
 
-class _RequestBase(BaseModel):
-    """Fields shared by chat and completions: OpenAI sampling plus the diffusion extensions."""
+def _checked_as(name: str) -> Callable[[Any], Any]:
+    """A validator applying the contract's check of key `name` (null = not given)."""
+    param = BY_NAME[name]
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    def check(value: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            return param.check(value)
+        except InvalidRequestError as exc:
+            raise ValueError(exc.reason) from None
+
+    return check
+
+
+def _contract_field(param: Param) -> Any:
+    """A request field for one contract key: checked by the contract's own `check` (the rule
+    the engine applies), documented by the contract's JSON schema."""
+    names = ALIASES[param.name]
+    return (
+        Annotated[
+            Any, BeforeValidator(_checked_as(param.name)), WithJsonSchema(param.json_schema())
+        ],
+        Field(
+            None,
+            validation_alias=AliasChoices(*names) if len(names) > 1 else None,
+            description=param.description(),
+        ),
+    )
+
+
+# Every contract key as an optional field (a key added to the contract appears here).
+_ContractFields: type[BaseModel] = create_model(
+    "_ContractFields",
+    __config__=ConfigDict(extra="forbid", populate_by_name=True, strict=True),
+    **{p.name: _contract_field(p) for p in PARAMS},
+)
+
+
+class _RequestBase(_ContractFields):
+    """Fields shared by chat and completions: OpenAI's own (strictly typed, as OpenAI does) plus
+    every key of the request contract (`dlm_protocol.PARAMS`: max_tokens, temperature, top_p,
+    seed, stop and the diffusion keys), each checked by the contract."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
 
     model: str = Field(..., min_length=1, description="A model id from GET /v1/models.")
-    max_tokens: int | None = Field(
-        None,
-        ge=1,
-        validation_alias=AliasChoices(*ALIASES["max_tokens"]),
-        description="Canvas length: tokens generated at most (aliases: max_new_tokens, "
-        "gen_length). Default 64. Bounded by the proxy's --max-tokens-limit.",
-    )
-    temperature: float | None = Field(
-        None, ge=0.0, le=2.0, description="0 = greedy (default). Range [0, 2]."
-    )
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus filtering, (0, 1].")
-    top_k: int | None = Field(None, ge=1, description="Top-k filtering (extension), >= 1.")
-    seed: int | None = Field(
-        None,
-        ge=0,
-        le=2**63 - 1,
-        description="Per-request RNG seed: same output batched or alone. With n > 1, "
-        "choice i uses seed + i.",
-    )
-    stop: str | list[str] | None = Field(
-        None, description="Up to 16 stop strings; the text ends before the first match."
-    )
     n: int = Field(1, ge=1, le=128, description="Choices per prompt (bounded by --max-n).")
     stream: bool = Field(False, description="Server-sent events, OpenAI chunk format.")
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="Accepted for compatibility; not used.")
     safety_identifier: str | None = Field(None, description="Accepted; not used.")
     prompt_cache_key: str | None = Field(None, description="Accepted; not used.")
-
-    # Diffusion extensions (docs/openai_api.md).
-    steps: int | None = Field(
-        None,
-        ge=1,
-        le=1_000_000,
-        validation_alias=AliasChoices(*ALIASES["steps"]),
-        description="Denoising steps (forwards) at most; default = max_tokens "
-        "(aliases: num_denoising_steps, diffusion_steps).",
-    )
-    block_length: int | None = Field(
-        None,
-        ge=1,
-        le=1_000_000,
-        validation_alias=AliasChoices(*ALIASES["block_length"]),
-        description="Semi-autoregressive block length (LLaDA); must divide max_tokens "
-        "(alias: block_size). Dream uses the whole canvas.",
-    )
-    algorithm: Algorithm | None = Field(
-        None,
-        validation_alias=AliasChoices(*ALIASES["algorithm"]),
-        description="Remasking / decoding policy (aliases: remasking, alg). LLaDA default "
-        "low_confidence, Dream default entropy.",
-    )
-    threshold: float | None = Field(
-        None,
-        gt=0.0,
-        le=1.0,
-        description="Confidence threshold in (0, 1]: commit every masked position of the "
-        "active block whose confidence is at least this (at least one per step).",
-    )
-    alg_temp: float | None = Field(
-        None, ge=0.0, description="Dream: temperature for sampling positions, >= 0."
-    )
-    cfg_scale: float | None = Field(
-        None, ge=0.0, description="LLaDA classifier-free guidance scale, >= 0 (0 = off)."
-    )
-    stream_mode: StreamMode | None = Field(
-        None,
-        description="`delta` (default): only stable committed text as OpenAI deltas. "
-        "`denoise`: chunks also carry `choices[].canvas`, the whole canvas each step "
-        "(token strings, null = still masked). Needs stream=true.",
-    )
-    suppress_eos: bool | None = Field(
-        None, description="LLaDA: forbid EOS while denoising (logits_eos_inf)."
-    )
-    cache: CacheMode | None = Field(
-        None, description="`none` (exact), `prefix` or `dual` (approximate, GPU fast path)."
-    )
 
     # Known OpenAI fields we reject unless neutral (hidden from the schema; see the docs).
     logprobs: _Unsupported = None
@@ -201,9 +170,7 @@ class _RequestBase(BaseModel):
             for canonical, names in ALIASES.items():
                 given = {name: data[name] for name in names if name in data}
                 if len({repr(v) for v in given.values()}) > 1:
-                    raise ValueError(
-                        f"conflicting values for {canonical} via {', '.join(sorted(given))}"
-                    )
+                    raise InvalidRequestError(canonical, conflict_reason(canonical, given))
                 if len(given) > 1:  # same value twice: keep one, or the rest reads as extra
                     data = {k: v for k, v in data.items() if k not in given}
                     data[canonical] = next(iter(given.values()))
@@ -213,16 +180,6 @@ class _RequestBase(BaseModel):
     @classmethod
     def _reject_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         return _check_unsupported(info.field_name or "", value)
-
-    @field_validator("stop", mode="after")
-    @classmethod
-    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        items = [value] if isinstance(value, str) else (value or [])
-        if len(items) > 16:
-            raise ValueError("at most 16 stop strings")
-        if any(s == "" for s in items):
-            raise ValueError("stop strings must not be empty")
-        return value
 
     @model_validator(mode="after")
     def _denoise_needs_stream(self) -> _RequestBase:
@@ -278,10 +235,14 @@ def _check_unsupported(name: str, value: Any) -> Any:
 # Chat
 
 
+# The engine's chat roles plus OpenAI's other names for them (`developer` = `system`).
+OPENAI_ROLES = (*CHAT_ROLES[:1], *ROLE_ALIASES, *CHAT_ROLES[1:])
+
+
 class TextContentPart(BaseModel):
     """Only text parts: the served models read no images or audio."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
@@ -289,9 +250,9 @@ class TextContentPart(BaseModel):
 class ChatMessage(BaseModel):
     """An OpenAI chat message; content is a string or a list of text parts."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
-    role: str = Field(..., description="system, developer, user or assistant.")
+    role: str = Field(..., description=f"{', '.join(OPENAI_ROLES)}.")
     content: str | list[TextContentPart] = Field(
         ..., description="Text, or a list of {type: text, text} parts."
     )
@@ -303,8 +264,8 @@ class ChatMessage(BaseModel):
     def _check_role(cls, value: str) -> str:
         if value in ("tool", "function"):
             raise ValueError(f"'{value}' messages are not supported (no tool calling)")
-        if value not in ("system", "developer", "user", "assistant"):
-            raise ValueError("role must be one of system, developer, user, assistant")
+        if value not in OPENAI_ROLES:
+            raise ValueError(f"role must be one of {', '.join(OPENAI_ROLES)}")
         return value
 
     @field_validator("content", mode="before")
@@ -334,9 +295,11 @@ class ChatCompletionRequest(_RequestBase):
     """POST /v1/chat/completions. The checkpoint's chat template is applied in Triton."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(
-        None, ge=1, description="Same as max_tokens (newer OpenAI name)."
-    )
+    max_completion_tokens: Annotated[
+        Any,
+        BeforeValidator(_checked_as("max_tokens")),
+        WithJsonSchema(BY_NAME["max_tokens"].json_schema()),
+    ] = Field(None, description="Same as max_tokens (newer OpenAI name).")
 
     @model_validator(mode="after")
     def _one_max_tokens(self) -> ChatCompletionRequest:
@@ -416,6 +379,8 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    forwards: int | None = Field(None, description=USAGE_EXTRAS["forwards"])
+    tokens_per_forward: float | None = Field(None, description=USAGE_EXTRAS["tokens_per_forward"])
 
 
 class AssistantMessage(BaseModel):
@@ -451,9 +416,11 @@ class ChatChunkChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = None
     logprobs: None = None
     canvas: list[str | None] | None = Field(
-        None, description="stream_mode=denoise only: the canvas after this step."
+        None, description=f"stream_mode=denoise only: {CHUNK_EXTRAS['canvas']}."
     )
-    steps: int | None = Field(None, description="stream_mode=denoise only: forwards so far.")
+    steps: int | None = Field(
+        None, description=f"stream_mode=denoise only: {CHUNK_EXTRAS['steps']}."
+    )
 
 
 class ChatCompletionChunk(BaseModel):

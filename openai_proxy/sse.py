@@ -94,9 +94,7 @@ async def stream_events(
     try:
         async for job, ev in events:
             r = results[job.choice_index]
-            r.text += ev.text
-            r.prompt_tokens = ev.prompt_tokens or r.prompt_tokens
-            r.completion_tokens = ev.completion_tokens or r.completion_tokens
+            r.absorb(ev)
             if ev.text or ev.canvas is not None:
                 yield builder.chunk([builder.choice(job.choice_index, ev.text, event=ev)])
             if ev.final:

@@ -172,13 +172,17 @@ def test_triton_process_and_shared_memory(compose_cmd: tuple[list[str], dict[str
 
 
 def test_healthcheck_waits_for_weights(compose_cmd: tuple[list[str], dict[str, str]]) -> None:
-    health = resolve(compose_cmd)["services"]["triton"]["healthcheck"]
+    triton = resolve(compose_cmd)["services"]["triton"]
+    health = triton["healthcheck"]
     assert any("/v2/health/ready" in part for part in health["test"])
     assert health["test"][0] == "CMD"  # the image has python3; no shell needed
-    # An 8B checkpoint takes minutes to load: failures must not count meanwhile.
-    assert seconds(health["start_period"]) >= 300
-    longer = resolve(compose_cmd, env={"DLM_START_PERIOD": "45m"})["services"]["triton"]
-    assert seconds(longer["healthcheck"]["start_period"]) == 45 * 60
+    # An 8B checkpoint takes minutes to download and load: failures must not count meanwhile,
+    # for at least as long as the launcher itself waits for the model.
+    ready_timeout = float(flag_value(triton["command"], "--ready-timeout"))
+    assert ready_timeout >= 300
+    assert seconds(health["start_period"]) >= ready_timeout
+    longer = resolve(compose_cmd, env={"DLM_START_PERIOD": "90m"})["services"]["triton"]
+    assert seconds(longer["healthcheck"]["start_period"]) == 90 * 60
 
 
 def test_stop_grace_covers_exit_timeout_and_longest_generation(
@@ -213,6 +217,15 @@ def test_env_example_names_real_variables_and_keeps_the_grace_rule(
     exit_timeout = float(flag_value(services["triton"]["command"], "--exit-timeout"))
     request_timeout = float(services["proxy"]["environment"]["DLM_PROXY_REQUEST_TIMEOUT_S"])
     assert seconds(services["triton"]["stop_grace_period"]) > exit_timeout + request_timeout
+    ready_timeout = float(flag_value(services["triton"]["command"], "--ready-timeout"))
+    assert seconds(services["triton"]["healthcheck"]["start_period"]) >= ready_timeout
+    # The documented model is a Hub id (or a name that holds one): the loader can fetch it.
+    from dlm_engine.hub import is_hub_id
+    from dlm_triton import model_repo
+
+    model = active["DLM_MODEL"]
+    specs = {m.name: m.checkpoint for m in model_repo.MODELS}
+    assert is_hub_id(specs.get(model, model)), model
 
 
 def test_only_the_proxy_port_is_published(compose_cmd: tuple[list[str], dict[str, str]]) -> None:
@@ -276,6 +289,99 @@ def test_proxy_environment_names_real_settings(
     assert scaled.triton_urls == ["gpu-a:8001", "gpu-b:8001"]
 
 
+def test_keys_and_hub_token_are_secret_files(
+    compose_cmd: tuple[list[str], dict[str, str]], tmp_path: Path
+) -> None:
+    """Neither the API keys nor the Hub token is an environment value (docker inspect shows
+    those): both are compose secrets, read from /run/secrets by the proxy and huggingface_hub."""
+    config = resolve(compose_cmd)
+    proxy, triton = config["services"]["proxy"], config["services"]["triton"]
+    for service in (proxy, triton):
+        assert not [k for k in service["environment"] if k in ("HF_TOKEN", "DLM_PROXY_API_KEYS")]
+    assert [s["source"] for s in proxy["secrets"]] == ["api_keys"]
+    assert proxy["environment"]["DLM_PROXY_API_KEYS_FILE"] == "/run/secrets/api_keys"
+    assert [s["source"] for s in triton["secrets"]] == ["hf_token"]
+    assert triton["environment"]["HF_TOKEN_PATH"] == "/run/secrets/hf_token"
+    default = Path(config["secrets"]["api_keys"]["file"])
+    assert default == DOCKER / "secrets" / "none" and default.read_text() == ""
+    chosen = resolve(compose_cmd, env={"DLM_API_KEYS_FILE": str(tmp_path / "keys")})
+    assert chosen["secrets"]["api_keys"]["file"] == str(tmp_path / "keys")
+    ignored = subprocess.run(
+        ["git", "check-ignore", "-q", str(DOCKER / "secrets" / "api_keys")], cwd=ROOT
+    )
+    assert ignored.returncode == 0, "a real key file under docker/secrets/ must be git-ignored"
+
+
+def test_default_proxy_refuses_to_serve_without_keys(
+    compose_cmd: tuple[list[str], dict[str, str]], tmp_path: Path
+) -> None:
+    """The proxy as compose configures it, on 0.0.0.0: no keys (the empty default secret) is a
+    refusal to start, DLM_ALLOW_NO_AUTH=1 or a key file lets it start."""
+    from openai_proxy.config import ENV_PREFIX, ProxyConfig
+    from openai_proxy.security import UnsafeExposureError, check_exposure
+
+    def proxy_config(env: dict[str, str] | None = None) -> ProxyConfig:
+        config = resolve(compose_cmd, env=env)
+        settings = {
+            k: v for k, v in config["services"]["proxy"]["environment"].items()
+            if k.startswith(ENV_PREFIX)
+        }  # fmt: skip
+        # /run/secrets/api_keys inside the container is the secret's file on the host
+        settings[ENV_PREFIX + "API_KEYS_FILE"] = config["secrets"]["api_keys"]["file"]
+        return ProxyConfig.from_env(settings)
+
+    refused = proxy_config()
+    assert refused.host == "0.0.0.0"
+    with pytest.raises(UnsafeExposureError, match="without API keys"):
+        check_exposure(refused)
+    check_exposure(proxy_config({"DLM_ALLOW_NO_AUTH": "1"}))
+    keys = tmp_path / "api_keys"
+    keys.write_text("sk-test-key\n")
+    check_exposure(proxy_config({"DLM_API_KEYS_FILE": str(keys)}))
+
+
+def test_proxy_metrics_port_is_private_and_scraped(
+    compose_cmd: tuple[list[str], dict[str, str]],
+) -> None:
+    services = resolve(compose_cmd, profiles=("monitoring",))["services"]
+    proxy = services["proxy"]
+    port = proxy["environment"]["DLM_PROXY_METRICS_PORT"]
+    assert port in proxy["expose"]
+    assert {str(p["target"]) for p in proxy["ports"]} == {"9000"}  # the API only
+    mounts = {v["target"]: v["source"] for v in services["prometheus"]["volumes"]}
+    scrape = yaml.safe_load(Path(mounts["/etc/prometheus/prometheus.yml"]).read_text())
+    targets = {
+        t for job in scrape["scrape_configs"] for g in job["static_configs"] for t in g["targets"]
+    }
+    assert f"proxy:{port}" in targets and "proxy:9000" not in targets
+
+
+def test_every_service_rotates_its_logs(compose_cmd: tuple[list[str], dict[str, str]]) -> None:
+    services = resolve(compose_cmd, profiles=("monitoring",))["services"]
+    for name, service in services.items():
+        logging = service.get("logging") or {}
+        assert logging.get("driver") == "json-file", name
+        options = logging.get("options", {})
+        assert options.get("max-size") and int(options.get("max-file", "0")) >= 2, name
+
+
+def test_hub_models_download_into_the_cache_volume(
+    compose_cmd: tuple[list[str], dict[str, str]],
+) -> None:
+    triton = resolve(compose_cmd, env={"DLM_MODEL": "GSAI-ML/LLaDA-8B-Instruct"})["services"][
+        "triton"
+    ]
+    assert flag_value(triton["command"], "--model") == "GSAI-ML/LLaDA-8B-Instruct"
+    cache = [v for v in triton["volumes"] if v["target"] == "/cache/huggingface"]
+    assert len(cache) == 1 and cache[0]["type"] == "volume" and cache[0]["source"] == "hf-cache"
+    pinned = resolve(compose_cmd, env={"DLM_REVISION": "abc123", "HF_HUB_OFFLINE": "1"})
+    env = pinned["services"]["triton"]["environment"]
+    assert env["DLM_REVISION"] == "abc123" and env["HF_HUB_OFFLINE"] == "1"
+    from dlm_triton.settings import ENV_OVERRIDES
+
+    assert ENV_OVERRIDES["revision"] == "DLM_REVISION"
+
+
 def test_monitoring_profile(compose_cmd: tuple[list[str], dict[str, str]]) -> None:
     services = resolve(compose_cmd, profiles=("monitoring",))["services"]
     assert {"prometheus", "grafana"} <= set(services)
@@ -314,7 +420,7 @@ def test_grafana_dashboard_is_current_and_uses_real_metrics() -> None:
     used = set(re.findall(r"\b(dlm_[a-z_]+?)(?:_bucket|_sum|_count)?\b", exprs))
     sources = [
         ROOT / "dlm_triton" / "metrics.py",
-        ROOT / "openai_proxy" / "app.py",
+        ROOT / "openai_proxy" / "metrics.py",
         ROOT / "openai_proxy" / "replicas.py",
     ]
     registered = {
@@ -343,15 +449,49 @@ def dockerfile_stages() -> dict[str, list[str]]:
 
 def test_triton_image_is_pinned_and_runs_the_launcher() -> None:
     text = (DOCKER / "Dockerfile").read_text()
-    assert "ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3" in text
+    assert "ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:26.02-py3" in text
     stage = dockerfile_stages()["triton"]
     assert stage[0] == "FROM ${TRITON_IMAGE}"
     entrypoint = next(i for i in stage if i.startswith("ENTRYPOINT"))
-    assert json.loads(entrypoint.split(None, 1)[1]) == ["dlm-triton", "serve"]
+    # NVIDIA's entrypoint stays in front (image checks, CUDA forward compatibility), then it
+    # execs the project's launcher.
+    assert json.loads(entrypoint.split(None, 1)[1]) == [
+        "/opt/nvidia/nvidia_entrypoint.sh",
+        "dlm-triton",
+        "serve",
+    ]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["dlm-triton"] == "dlm_triton.cli:main"
-    installs = " ".join(i for i in stage if "pip install" in i)
-    assert '"numpy<2"' in installs and "torch" in installs and ".[quant]" in installs
+    # Dependencies come only from the lock (numpy<2, torch and bitsandbytes pinned there:
+    # tests/integration/test_image_lock.py), the project itself without resolution.
+    installs = [i for i in stage if "pip install" in i]
+    assert "--no-deps --only-binary=:all: -r docker/constraints.txt" in installs[0]
+    assert all("--no-deps" in i for i in installs)
+
+
+def test_triton_image_layers_and_user() -> None:
+    """Dependency layers before the source (an edit rebuilds in seconds); Triton runs as the
+    base image's unprivileged user, who owns the Hub cache volume."""
+    stage = dockerfile_stages()["triton"]
+    lock_install = next(i for i, line in enumerate(stage) if "-r docker/constraints.txt" in line)
+    first_source = next(i for i, line in enumerate(stage) if line.startswith("COPY dlm_engine"))
+    assert lock_install < first_source
+    copies_before = [line for line in stage[:lock_install] if line.startswith("COPY")]
+    assert copies_before == ["COPY docker/constraints.txt docker/constraints.txt"]
+    user = [line for line in stage if line.startswith("USER")]
+    assert user == ["USER triton-server"]
+    assert stage.index("USER triton-server") < next(
+        i for i, line in enumerate(stage) if line.startswith("ENTRYPOINT")
+    )
+    assert any("chown -R triton-server:triton-server /cache" in line for line in stage)
+    assert any(line.startswith("VOLUME") and "/cache/huggingface" in line for line in stage)
+    assert any("HF_HOME=/cache/huggingface" in line for line in stage)
+    healthcheck = next(line for line in stage if line.startswith("HEALTHCHECK"))
+    start = re.search(r"--start-period=(\d+)m", healthcheck)
+    from dlm_triton.cli import build_parser
+
+    ready_default = build_parser().parse_args(["serve"]).ready_timeout
+    assert start and int(start.group(1)) * 60 >= ready_default
 
 
 def test_compose_command_flags_exist_in_the_launcher(
@@ -402,7 +542,11 @@ def test_proxy_image_has_every_proxy_import_and_no_torch() -> None:
                 imported |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 imported.add(node.module.split(".")[0])
-    third_party = imported - set(sys.stdlib_module_names) - {"openai_proxy", "__future__"}
+    # Our own torch-free packages the proxy imports are copied into the image and installed.
+    ours = {"openai_proxy", "dlm_protocol"}
+    for package in ours & imported:
+        assert f"COPY {package} ./{package}" in stage, package
+    third_party = imported - set(sys.stdlib_module_names) - ours - {"__future__"}
     assert "torch" not in third_party
     missing = {
         name for name in third_party if PROXY_IMPORTS_FROM_INSTALLS.get(name, "\0") not in installs
@@ -436,8 +580,11 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+HUB_ID = "test-org/Tiny-LLaDA"
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("model", ["default", "checkpoint-dir"])
+@pytest.mark.parametrize("model", ["default", "checkpoint-dir", "hub-id-offline"])
 def test_compose_command_serves_and_stops_like_docker(
     compose_cmd: tuple[list[str], dict[str, str]],
     tiny_checkpoint: Path,
@@ -445,9 +592,10 @@ def test_compose_command_serves_and_stops_like_docker(
     model: str,
 ) -> None:
     """What the container runs, without the container: ENTRYPOINT + compose's command (the
-    default model, or DLM_MODEL naming a mounted checkpoint), its own health-check command,
-    then SIGTERM as ``docker stop`` sends it through tini. It must exit 0 within
-    stop_grace_period and leave no stub or shm file."""
+    default model, DLM_MODEL naming a mounted checkpoint, or a Hub id served offline from a
+    pre-seeded Hub cache as on an air-gapped host), its own health-check command, then SIGTERM
+    as ``docker stop`` sends it through tini. It must exit 0 within stop_grace_period and
+    leave no stub or shm file."""
     from dlm_triton.launcher import Ports
     from dlm_triton.server_dist import TritonNotFoundError, find_server
 
@@ -456,7 +604,17 @@ def test_compose_command_serves_and_stops_like_docker(
     except TritonNotFoundError:
         pytest.skip("no tritonserver available")
 
-    chosen = {"DLM_MODEL": str(tiny_checkpoint)} if model == "checkpoint-dir" else {}
+    chosen = {
+        "default": {},
+        "checkpoint-dir": {"DLM_MODEL": str(tiny_checkpoint)},
+        "hub-id-offline": {"DLM_MODEL": HUB_ID, "HF_HUB_OFFLINE": "1"},
+    }[model]
+    image_env = {}  # what the Dockerfile's ENV gives the container
+    if model == "hub-id-offline":
+        from dlm_engine.testing import seed_hub_cache
+
+        image_env["HF_HOME"] = str(tmp_path / "hf-home")
+        seed_hub_cache(tiny_checkpoint, tmp_path / "hf-home" / "hub", HUB_ID)
     triton = resolve(compose_cmd, env=chosen)["services"]["triton"]
     ports = Ports.free()
     script = Path(sys.executable).with_name("dlm-triton")
@@ -475,7 +633,7 @@ def test_compose_command_serves_and_stops_like_docker(
         "--metrics-port", str(ports.metrics),
         "--log-file", str(tmp_path / "triton.log"),
     ]  # fmt: skip
-    env = {**os.environ, **{k: v for k, v in triton["environment"].items() if v}}
+    env = {**os.environ, **image_env, **{k: v for k, v in triton["environment"].items() if v}}
     health = [sys.executable, *triton["healthcheck"]["test"][2:]]
     health[-1] = health[-1].replace("127.0.0.1:8000/", f"127.0.0.1:{ports.http}/")
     assert health[-1].count(str(ports.http)) == 1
@@ -489,7 +647,11 @@ def test_compose_command_serves_and_stops_like_docker(
             assert time.monotonic() < deadline, "never healthy"
             time.sleep(1)
 
-        name = tiny_checkpoint.name.lower() if chosen else triton["environment"]["DLM_MODEL"]
+        name = {
+            "default": triton["environment"]["DLM_MODEL"],
+            "checkpoint-dir": tiny_checkpoint.name.lower(),
+            "hub-id-offline": HUB_ID.split("/")[1].lower(),
+        }[model]
         body = json.dumps({"text_input": "Hello", "max_tokens": 8, "steps": 8}).encode()
         request = urllib.request.Request(
             f"http://127.0.0.1:{ports.http}/v2/models/{name}/generate", data=body

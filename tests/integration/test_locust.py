@@ -20,9 +20,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from embedded_server import embedded_server as serve_embedded
 
-from dlm_triton.launcher import Ports, TritonServerProcess, proxy_command
-from dlm_triton.server_dist import TritonNotFoundError, find_server
+from dlm_triton.launcher import TritonServerProcess, proxy_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,29 +49,17 @@ def _stop(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
         proc.wait(timeout=10)
 
 
-EMBEDDED_MODEL = Path(__file__).resolve().parents[2] / "dlm_engine" / "assets" / "tiny-dlm"
+# Runs end after this many completed requests of every kind, not after a wall time, so a slow
+# machine takes longer instead of failing; the run-time and timeouts only catch a real hang.
+STOP_AFTER = 3
+HANG_CAP = "600s"
 
 
 @pytest.fixture(scope="module")
 def embedded_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServerProcess]:
     """tritonserver on the embedded default model (what `dlm-triton serve` serves), free ports."""
-    try:
-        find_server()
-    except TritonNotFoundError:
-        pytest.skip("no tritonserver available")
-    server = TritonServerProcess(
-        EMBEDDED_MODEL,
-        model_name="tiny-dlm",
-        device="cpu",
-        ports=Ports.free(),
-        log_path=tmp_path_factory.mktemp("locust-triton") / "triton.log",
-        ready_timeout_s=180,
-        exit_timeout_s=5,
-    ).start()
-    try:
+    with serve_embedded(tmp_path_factory.mktemp("locust-triton"), ready_timeout_s=600) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +93,8 @@ def _load_env(server: TritonServerProcess) -> dict[str, str]:
         DLM_LOAD_MAX_TOKENS="16",
         DLM_LOAD_STEPS="8",
         DLM_LOAD_STREAM_FRACTION="0.5",
-        DLM_LOAD_TIMEOUT_S="60",
+        DLM_LOAD_TIMEOUT_S="300",
+        DLM_LOAD_STOP_AFTER=str(STOP_AFTER),
     )
     return env
 
@@ -122,17 +111,20 @@ def _stats(path: Path) -> dict[tuple[str, str], dict[str, str]]:
         return {(r["Type"], r["Name"]): r for r in csv.DictReader(fh)}
 
 
-def test_locust_20s_against_cpu_stack_has_no_failures(
+def test_locust_against_cpu_stack_has_no_failures(
     embedded_server: TritonServerProcess, proxy_url: str, tmp_path: Path
 ) -> None:
     prefix = tmp_path / "load"
-    cmd = _run_load_module().locust_command(4, proxy_url, prefix, run_time="20s", stop_timeout=60)
+    cmd = _run_load_module().locust_command(4, proxy_url, prefix, run_time=HANG_CAP)
     proc = subprocess.run(
         cmd,
         env=_load_env(embedded_server),
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=900,
+    )
+    assert "every kind completed" in proc.stdout + proc.stderr, "hit the hang cap: " + (
+        proc.stdout[-3000:] + proc.stderr[-3000:]
     )
     output = proc.stdout[-4000:] + proc.stderr[-4000:] + _server_log(embedded_server)
     rows = _stats(Path(f"{prefix}_stats.csv"))
@@ -178,7 +170,7 @@ def test_run_load_sweep_writes_csvs_and_png(
             "--users",
             "1,2",
             "--run-time",
-            "6s",
+            HANG_CAP,
             "--param",
             "steps=8",
             "--out",
@@ -187,7 +179,7 @@ def test_run_load_sweep_writes_csvs_and_png(
         env=_load_env(embedded_server),
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=1500,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr + _server_log(embedded_server)
     for users in (1, 2):

@@ -259,6 +259,26 @@ def test_diffusion_fields_pass_through(oai: openai.OpenAI, model: str) -> None:
     assert r.choices[0].finish_reason in ("stop", "length")
 
 
+def test_accelerated_decoding_fields_pass_through(oai: openai.OpenAI, model: str) -> None:
+    """Issue 15: dlmserve's LocalLeap fields and d3LLM's multi-block keys reach the engine;
+    a bad combination is a 400 naming the field."""
+    for extra in (
+        {"use_local_leap": True, "local_leap_radius": 2, "force_single_batch": True},
+        {"multi_block": True, "threshold": 0.4, "block_size": 8, "decoded_token_threshold": 0.9},
+        {"algorithm": "factor", "factor": 2.0},
+    ):
+        r = oai.completions.create(model=model, prompt="hello", max_tokens=16, extra_body=extra)
+        assert r.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(
+            model=model,
+            prompt="x",
+            max_tokens=16,
+            extra_body={"block_add_threshold": 0.5, "multi_block": False},
+        )
+    assert info.value.param == "block_add_threshold"
+
+
 def test_unsupported_openai_fields_are_400(oai: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         oai.chat.completions.create(model=model, messages=MSG, logprobs=True)

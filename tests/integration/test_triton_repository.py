@@ -14,7 +14,14 @@ from dlm_triton.request_parse import RequestError, parse_request
 from dlm_triton.server_dist import TritonNotFoundError, find_server, python_tag
 from dlm_triton.settings import resolve_settings
 
-EXPECTED_MODELS = {"tiny-dlm", "llada-8b-instruct", "llada-1.5", "dream-v0-instruct-7b"}
+EXPECTED_MODELS = {
+    "tiny-dlm",
+    "llada-8b-instruct",
+    "llada-1.5",
+    "dream-v0-instruct-7b",
+    "d3llm-llada",
+    "d3llm-dream",
+}
 
 
 def test_committed_repository_matches_the_template() -> None:

@@ -266,6 +266,30 @@ def test_proxy_finds_the_triton_pods_and_keeps_its_keys_secret(
     assert spec["securityContext"]["runAsNonRoot"] is True
 
 
+def test_proxy_metrics_are_scraped_on_their_own_port(objs: list[dict[str, Any]]) -> None:
+    """With API keys set, /metrics on the API port needs a key; Prometheus scrapes the separate
+    metrics port (no key), which the public Service does not publish."""
+    cfg = proxy_config(objs)
+    assert cfg.metrics_port and cfg.metrics_port != cfg.port
+    _, c = proxy_pod(objs)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["metrics"] == cfg.metrics_port
+    public = one(objs, "Service", "dlm-proxy")
+    assert "metrics" not in {p.get("targetPort") for p in public["spec"]["ports"]}
+    for mon in find(objs, "ServiceMonitor"):
+        if mon["metadata"]["name"] == "dlm-proxy":
+            assert [e["port"] for e in mon["spec"]["endpoints"]] == ["metrics"]
+            selector = mon["spec"]["selector"]["matchLabels"]
+            scraped = [
+                svc
+                for svc in find(objs, "Service")
+                if all(svc["metadata"]["labels"].get(k) == v for k, v in selector.items())
+            ]
+            assert any(
+                "metrics" in {p["name"] for p in svc["spec"]["ports"]} for svc in scraped
+            )
+
+
 def test_disruption_budgets_cover_both_deployments(objs: list[dict[str, Any]]) -> None:
     pdbs = find(objs, "PodDisruptionBudget")
     for dep in find(objs, "Deployment"):

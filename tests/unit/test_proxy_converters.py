@@ -175,3 +175,34 @@ def test_response_bodies_sorted_by_index() -> None:
         (0, "first", "stop"),
         (1, "second", "length"),
     ]
+
+
+def test_acceleration_keys_and_seed_aliases_reach_the_engine() -> None:
+    """Issue 15: LocalLeap (with dlmserve's names), multi-block and factor keys pass through."""
+    req = chat(
+        use_local_leap=True,
+        local_leap_anchor_threshold=0.8,
+        local_leap_neighbor_threshold=0.6,
+        local_leap_radius=3,
+        force_single_batch=True,
+    )
+    assert sampling_parameters(req, 0, LIMITS) == {
+        "use_local_leap": True,
+        "anchor_threshold": 0.8,
+        "neighbor_threshold": 0.6,
+        "leap_radius": 3,
+        "force_single_batch": True,
+    }
+    req = chat(multi_block=True, threshold=0.5, block_add_threshold=0.1,
+               decoded_token_threshold=0.95, max_active_blocks=4)  # fmt: skip
+    assert sampling_parameters(req, 0, LIMITS) == {
+        "multi_block": True,
+        "threshold": 0.5,
+        "block_add_threshold": 0.1,
+        "decoded_token_threshold": 0.95,
+        "max_active_blocks": 4,
+    }
+    assert sampling_parameters(chat(algorithm="factor", factor=1.0), 0, LIMITS) == {
+        "algorithm": "factor",
+        "factor": 1.0,
+    }

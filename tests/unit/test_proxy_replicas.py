@@ -203,7 +203,7 @@ def backend_with(scripts: dict[str, Script], retries: int = 1) -> TritonBackend:
         finally:
             st.in_flight -= 1
 
-    backend._stream = fake_stream  # type: ignore[method-assign]
+    backend.streams.open = fake_stream  # type: ignore[method-assign]
     return backend
 
 

@@ -70,7 +70,7 @@ def test_same_value_under_two_aliases_is_fine() -> None:
         ({"steps": 0}, "steps"),
         ({"block_length": 0}, "block_length"),
         ({"threshold": 0}, "threshold"),
-        ({"threshold": 1.5}, "threshold"),
+        ({"threshold": 25}, "threshold"),
         ({"alg_temp": -1}, "alg_temp"),
         ({"cfg_scale": -0.5}, "cfg_scale"),
         ({"algorithm": "beam"}, "algorithm"),

@@ -1,0 +1,133 @@
+"""GPU benchmark section for issue 15: what each decoding algorithm costs per forward.
+
+Run through `benchmarks/gpu_bench.py --section algorithms` (LLaDA-8B and Dream-7B
+architectures, random bf16 weights, CUDA graphs as served):
+
+1. per-forward cost of each algorithm against low_confidence at equal query length: the same
+   rows (prompt 64, canvas 256, block 32) stepped with one algorithm at a time; the canvas is
+   restored before every step, so every timed step sees the same masks and the same query;
+2. multi-block step time against the number of blocks in flight (1, 2, 4, 8 blocks of 32):
+   the window the step decodes grows; the forward over the sequence does not.
+
+Tokens per forward on random weights says nothing about any algorithm (a random model has no
+confident positions); this only measures cost. The tiny-dlm curves in docs/benchmarks.md are
+the evidence for what the algorithms buy.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from dlm_engine import Engine
+from dlm_engine.decoding.multi_block import Block
+from dlm_engine.sequence import Sequence
+
+PROMPT, CANVAS, BLOCK = 64, 256, 32
+
+ALGORITHMS: dict[str, dict] = {
+    "low_confidence": dict(steps=CANVAS),
+    "threshold": dict(threshold=0.9),
+    "factor": dict(algorithm="factor", factor=1.0),
+    "local_leap": dict(steps=CANVAS, use_local_leap=True),
+    "entropy_threshold": dict(algorithm="entropy_threshold", threshold=0.5),
+    "multi_block (1 block)": dict(multi_block=True, threshold=0.5),
+}
+LLADA_ONLY = {"factor", "local_leap"}
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _rows(engine: Engine, prompts: list[list[int]], params: dict, blocks: int = 0) -> list:
+    resolved = engine.resolve_params(dict(params, max_tokens=CANVAS, block_length=BLOCK))
+    seqs = []
+    for i, p in enumerate(prompts):
+        s = Sequence(
+            f"b{i}",
+            p,
+            resolved,
+            family=engine.family.name,
+            mask_id=engine.mask_id,
+            device=engine.loaded.device,
+        )
+        if blocks and s.multi is not None:  # `blocks` blocks in flight, all still masked
+            s.multi.blocks = [Block(b * BLOCK, (b + 1) * BLOCK, BLOCK, True) for b in range(blocks)]
+        seqs.append(s)
+    return seqs
+
+
+def time_step(engine: Engine, seqs: list, iters: int) -> float:
+    """Median ms of `runner.step` with the canvas restored before each step."""
+    dev = engine.loaded.device
+    saved = [s.tokens.clone() for s in seqs]
+
+    def one() -> float:
+        for s, t in zip(seqs, saved, strict=True):
+            s.tokens.copy_(t)
+        _sync(dev)
+        t0 = time.perf_counter()
+        engine.runner.step(seqs)
+        _sync(dev)
+        return time.perf_counter() - t0
+
+    for _ in range(3):  # graph capture and warm-up
+        one()
+    times = sorted(one() for _ in range(iters))
+    return times[len(times) // 2] * 1e3
+
+
+def run(engine: Engine, model: str, batches: list[int], iters: int, out: Path) -> list[dict]:
+    rows: list[dict] = []
+    gen = torch.Generator().manual_seed(0)
+    vocab = min(100000, engine.runner.model_vocab - 1)
+    prompts_all = torch.randint(0, vocab, (max(batches), PROMPT), generator=gen)
+    prompts_all[prompts_all == engine.mask_id] = 0
+    print(f"\n== {model}: per-forward cost at equal query length (ms per step, median)")
+    print(f"{'algorithm':<24}{'batch':>6}{'ms/step':>10}{'vs low_conf':>12}")
+    for batch in batches:
+        prompts = prompts_all[:batch].tolist()
+        base = None
+        for name, params in ALGORITHMS.items():
+            if name in LLADA_ONLY and engine.family.name != "llada":
+                continue
+            ms = time_step(engine, _rows(engine, prompts, params), iters)
+            base = base or ms
+            rows.append(dict(model=model, kind="per_forward", algorithm=name, batch=batch, ms=ms,
+                             ratio=ms / base))  # fmt: skip
+            print(f"{name:<24}{batch:>6}{ms:>10.2f}{ms / base:>12.3f}", flush=True)
+    print(f"\n== {model}: multi-block step time vs blocks in flight (block {BLOCK})")
+    print(f"{'blocks':>6}{'batch':>6}{'ms/step':>10}{'vs 1 block':>12}{'low_conf same width':>21}")
+    for batch in batches:
+        prompts = prompts_all[:batch].tolist()
+        one_block = None
+        for blocks in (1, 2, 4, 8):
+            seqs = _rows(engine, prompts, dict(multi_block=True, threshold=0.5), blocks)
+            ms = time_step(engine, seqs, iters)
+            one_block = one_block or ms
+            wide = engine.resolve_params(
+                dict(max_tokens=CANVAS, block_length=BLOCK * blocks, steps=CANVAS)
+            )
+            same = [
+                Sequence(
+                    f"w{i}",
+                    p,
+                    wide,
+                    family=engine.family.name,
+                    mask_id=engine.mask_id,
+                    device=engine.loaded.device,
+                )  # fmt: skip
+                for i, p in enumerate(prompts)
+            ]
+            ms_lc = time_step(engine, same, iters)
+            rows.append(dict(model=model, kind="multi_block", blocks=blocks, batch=batch, ms=ms,
+                             ratio=ms / one_block, low_conf_same_width_ms=ms_lc))  # fmt: skip
+            print(f"{blocks:>6}{batch:>6}{ms:>10.2f}{ms / one_block:>12.3f}{ms_lc:>21.2f}",
+                  flush=True)  # fmt: skip
+    (out / f"algorithms_{model}.json").write_text(json.dumps(rows, indent=1))
+    return rows

@@ -1,0 +1,76 @@
+"""A checkpoint's own decoding defaults (issue 15): d3LLM's multi-block settings.
+
+d3LLM publishes its checkpoints (d3LLM/d3LLM_LLaDA, d3LLM/d3LLM_Dream on the Hugging Face Hub)
+in the LLaDA and Dream layouts, and their `generation_config.json` carries no decoding
+settings (LLaDA's holds only bos/eos ids; Dream's is Dream's own, `alg: origin`). The
+settings they were evaluated and served with are published in the d3LLM repository (chat
+scripts, eval scripts, README's SGLang table): multi-block decoding with the entropy
+threshold 0.5 (LLaDA) / 0.4 (Dream), block_add_threshold 0.1, decoded_token_threshold 0.95,
+blocks of 32. So:
+
+1. decoding keys a generation config does carry under d3LLM's names (`threshold`,
+   `block_add_threshold`, `decoded_token_threshold`, `block_size`, `alg: entropy_threshold`,
+   `multi_block`) are used as the model's defaults;
+2. a d3LLM checkpoint (its model card tags `d3llm`, or its config or directory names d3LLM)
+   gets the
+   published settings above for whatever (1) left unset.
+A request's own keys always win (see `sampling_params.apply_model_defaults`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+D3LLM_DEFAULTS: dict[str, dict[str, Any]] = {
+    # chat/chat_d3llm_llada.py, eval_scripts/llada_gsm8k_cot.sh, README (SGLang, tau 0.5)
+    "llada": {"multi_block": True, "algorithm": "entropy_threshold", "threshold": 0.5},
+    # eval_scripts/dream_gsm8k_cot.sh, README (SGLang, tau 0.4)
+    "dream": {"multi_block": True, "algorithm": "entropy_threshold", "threshold": 0.4},
+}
+_SHARED = {"block_add_threshold": 0.1, "decoded_token_threshold": 0.95}
+_GEN_KEYS = {
+    "threshold": "threshold",
+    "block_add_threshold": "block_add_threshold",
+    "decoded_token_threshold": "decoded_token_threshold",
+    "multi_block": "multi_block",
+}
+
+
+def is_d3llm(path: Path, config: dict[str, Any]) -> bool:
+    """The model card's tags (README.md front matter), the config or the directory name d3LLM."""
+    name = str(config.get("_name_or_path", ""))
+    if "d3llm" in name.lower() or any("d3llm" in part.lower() for part in path.parts[-4:]):
+        return True  # e.g. /ckpt/d3LLM_LLaDA, or the Hub cache's models--d3LLM--d3LLM_Dream
+    card = path / "README.md"
+    if not card.exists():
+        return False
+    text = card.read_text(errors="replace")
+    front = re.match(r"^---\n(.*?)\n---", text, re.S)
+    return bool(front and re.search(r"^\s*-\s*d3llm\s*$", front.group(1), re.M | re.I))
+
+
+def decoding_defaults(
+    path: Path, family: str, config: dict[str, Any], gen: dict[str, Any]
+) -> dict[str, Any]:
+    """Request-key defaults this checkpoint asks for ({} for plain LLaDA / Dream)."""
+    out: dict[str, Any] = {}
+    for key, name in _GEN_KEYS.items():
+        if gen.get(key) is not None:
+            out[name] = gen[key]
+    if gen.get("alg") == "entropy_threshold":
+        out["algorithm"] = "entropy_threshold"
+    if is_d3llm(path, config):
+        for key, value in {**D3LLM_DEFAULTS[family], **_SHARED}.items():
+            out.setdefault(key, value)
+    return out
+
+
+def write_d3llm_card(out: Path, family: str) -> None:
+    """The model card front matter as d3LLM publishes it (for test checkpoints)."""
+    base = "LLaDA" if family == "llada" else "Dream"
+    (out / "README.md").write_text(
+        "---\nlicense: apache-2.0\npipeline_tag: text-generation\ntags:\n- diffusion\n"
+        f"- fast-inference\n- d3llm\n- {family}\n---\n# d3LLM-{base}\n",
+    )

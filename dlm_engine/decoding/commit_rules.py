@@ -1,0 +1,220 @@
+"""Which masked positions each row commits this step, for every rule at once (issue 15).
+
+Rules (per row, mixed freely in one step):
+- rank: the k most confident (LLaDA's and Dream's step schedules);
+- threshold: every confidence >= tau and at least the most confident (Fast-dLLM);
+- factor: Fast-dLLM's `get_transfer_index_dynamic`: the n most confident while
+  c_i >= 1 - f / (i + 2) (i counted from 0, i = 0 always passes); a stop at the last mask,
+  or none, commits every mask;
+- entropy: d3LLM's entropy threshold: entropy <= tau (LLaDA) or < tau (Dream), plus the
+  lowest entropy except in Dream's multi-block loop;
+- local_leap: dlmserve's LocalLeap: the k most confident are anchors; anchors with
+  confidence >= kappa also commit masked positions within W whose confidence >= tau.
+Multi-block rows (d3LLM) then force one commit in their first activated block if the rule
+gave it none (its best-scored mask).
+
+Everything here is vectorised over rows: no host synchronisation. Scores that upstream
+computes in a different precision (entropy, LocalLeap's confidence) are computed in that
+precision, and comparisons with thresholds happen in it, so the rules match bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+RANK, THRESHOLD, FACTOR, ENTROPY, LEAP = range(5)
+_CODES = {"factor": FACTOR, "entropy_threshold": ENTROPY, "local_leap": LEAP}
+
+
+def rule_code(algorithm: str, uses_threshold: bool) -> int:
+    if algorithm in _CODES:
+        return _CODES[algorithm]
+    return THRESHOLD if uses_threshold else RANK
+
+
+@dataclass
+class RowRule:
+    """One row's commit rule for this step (host values)."""
+
+    code: int
+    k: int
+    threshold: float  # tau of threshold / entropy rules (NaN when unused)
+    factor: float
+    anchor: float
+    neighbor: float
+    radius: int
+    entropy_f64: bool  # entropy in float64 (eps 1e-12) rather than the logits' dtype (1e-8)
+    strict: bool  # entropy < tau rather than <=
+    keep_best: bool  # the lowest entropy is always committed
+    forced: tuple[int, int] | None  # multi-block: window-relative first activated block
+
+
+def _idx(rows: list[RowRule], pred, device: torch.device) -> torch.Tensor | None:
+    sel = [i for i, r in enumerate(rows) if pred(r)]
+    return torch.tensor(sel, device=device) if sel else None
+
+
+class CommitPlan:
+    """Device tensors of every row's rule, built before the forward is queued (made after it,
+    they would make the host wait for the GPU)."""
+
+    def __init__(self, rows: list[RowRule], device: torch.device) -> None:
+        f64 = torch.float64
+        self.rows = rows
+        self.code = torch.tensor([r.code for r in rows], device=device)
+        self.k = torch.tensor([r.k for r in rows], device=device)
+        self.threshold = torch.tensor([r.threshold for r in rows], device=device, dtype=f64)
+        self.factor = torch.tensor([r.factor for r in rows], device=device, dtype=f64)
+        self.anchor = torch.tensor([r.anchor for r in rows], device=device, dtype=f64)
+        self.neighbor = torch.tensor([r.neighbor for r in rows], device=device, dtype=f64)
+        self.radius = torch.tensor([r.radius for r in rows], device=device)
+        self.strict = torch.tensor([r.strict for r in rows], device=device)
+        self.keep_best = torch.tensor([r.keep_best for r in rows], device=device)
+        self.ent64 = _idx(rows, lambda r: r.code == ENTROPY and r.entropy_f64, device)
+        self.ent_low = _idx(rows, lambda r: r.code == ENTROPY and not r.entropy_f64, device)
+        self.leap = _idx(rows, lambda r: r.code == LEAP, device)
+        self.any_factor = any(r.code == FACTOR for r in rows)
+        self.forced = _idx(rows, lambda r: r.forced is not None, device)
+        if self.forced is not None:
+            spans = [r.forced for r in rows if r.forced is not None]
+            self.forced_lo = torch.tensor([s[0] for s in spans], device=device)
+            self.forced_hi = torch.tensor([s[1] for s in spans], device=device)
+
+    @property
+    def simple(self) -> bool:
+        """Only rank / threshold rows: the original selection applies unchanged."""
+        return all(r.code in (RANK, THRESHOLD) and r.forced is None for r in self.rows)
+
+    # ---- scores that need the unmodified logits (before `propose` edits them in place) ----
+    def scores(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        b, w = logits.shape[:2]
+        if self.ent64 is not None or self.ent_low is not None:
+            ent = torch.full((b, w), torch.inf, dtype=torch.float64, device=logits.device)
+            passes = torch.zeros((b, w), dtype=torch.bool, device=logits.device)
+            for sel, f64 in ((self.ent64, True), (self.ent_low, False)):
+                if sel is None:
+                    continue
+                lg = logits[sel]
+                p = F.softmax(lg.to(torch.float64) if f64 else lg, dim=-1)
+                e = -torch.sum(p * torch.log(p + (1e-12 if f64 else 1e-8)), dim=-1)
+                tau = self.threshold[sel, None].to(e.dtype)
+                passes[sel] = torch.where(self.strict[sel, None], e < tau, e <= tau)
+                ent[sel] = e.to(torch.float64)
+            out["entropy"], out["entropy_pass"] = ent, passes
+        if self.leap is not None:
+            out["leap_probs"] = F.softmax(logits[self.leap], dim=-1)  # the logits' dtype
+        return out
+
+    # ---- the selection ---------------------------------------------------------------------
+    def select(
+        self,
+        conf: torch.Tensor,
+        x0: torch.Tensor,
+        selectable: torch.Tensor,
+        extra: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """Bool [B, W]: the positions each row commits."""
+        b, w = conf.shape
+        dev = conf.device
+        score = conf.to(torch.float64)
+        if "entropy" in extra:
+            is_ent = (self.code == ENTROPY)[:, None]
+            score = torch.where(is_ent, -extra["entropy"], score)
+        leap_conf = None
+        if self.leap is not None:
+            probs = extra["leap_probs"]
+            leap_conf = probs.gather(-1, x0[self.leap, :, None]).squeeze(-1)
+            score[self.leap] = leap_conf.to(torch.float64)
+        score = score.masked_fill(~selectable, -torch.inf)
+        order = score.argsort(dim=1, descending=True, stable=True)
+        ranks = torch.empty_like(order).scatter_(1, order, torch.arange(w, device=dev).expand(b, w))
+        best = ranks == 0
+        code = self.code[:, None]
+        chosen = torch.where(code == RANK, ranks < self.k[:, None], best)
+        thr = self.threshold[:, None].to(conf.dtype)
+        chosen = torch.where(code == THRESHOLD, (conf >= thr) | best, chosen)
+        if self.any_factor:
+            chosen = torch.where(code == FACTOR, self._factor(score, ranks, selectable), chosen)
+        if "entropy_pass" in extra:
+            keep = best & self.keep_best[:, None]
+            chosen = torch.where(code == ENTROPY, extra["entropy_pass"] | keep, chosen)
+        if leap_conf is not None:
+            chosen[self.leap] = self._leap(leap_conf, ranks[self.leap], selectable[self.leap])
+        chosen &= selectable
+        if self.forced is not None:
+            chosen = self._force(chosen, score, selectable)
+        return chosen
+
+    def _factor(
+        self, score: torch.Tensor, ranks: torch.Tensor, selectable: torch.Tensor
+    ) -> torch.Tensor:
+        b, w = score.shape
+        i = torch.arange(w, device=score.device, dtype=torch.float64)
+        sorted_score = score.sort(dim=1, descending=True).values
+        bound = 1 - self.factor[:, None] / (i[None, :] + 2)
+        passes = (sorted_score >= bound) | (i[None, :] == 0)
+        n = passes.long().cumprod(dim=1).sum(dim=1)
+        m = selectable.sum(dim=1)
+        n = torch.where(n >= m - 1, m, n)
+        return ranks < n[:, None]
+
+    def _leap(
+        self, leap_conf: torch.Tensor, ranks: torch.Tensor, selectable: torch.Tensor
+    ) -> torch.Tensor:
+        sel = self.leap
+        conf = leap_conf.masked_fill(~selectable, -torch.inf)
+        anchors = (ranks < self.k[sel, None]) & selectable
+        strong = anchors & (conf >= self.anchor[sel, None].to(conf.dtype))
+        w = conf.shape[1]
+        pos = torch.arange(w, device=conf.device)
+        dist = (pos[:, None] - pos[None, :]).abs()  # [W, W]
+        near = ((dist[None] <= self.radius[sel, None, None]) & strong[:, None, :]).any(dim=-1)
+        neighbours = near & (conf >= self.neighbor[sel, None].to(conf.dtype))
+        return anchors | neighbours
+
+    def _force(
+        self, chosen: torch.Tensor, score: torch.Tensor, selectable: torch.Tensor
+    ) -> torch.Tensor:
+        sel = self.forced
+        w = chosen.shape[1]
+        pos = torch.arange(w, device=chosen.device)[None, :]
+        in_block = (pos >= self.forced_lo[:, None]) & (pos < self.forced_hi[:, None])
+        in_block &= selectable[sel]
+        need = ~(chosen[sel] & in_block).any(dim=1) & in_block.any(dim=1)
+        best = score[sel].masked_fill(~in_block, -torch.inf).argmax(dim=1)
+        add = torch.zeros_like(in_block)
+        add[torch.arange(len(best), device=chosen.device), best] = True
+        chosen[sel] |= add & need[:, None]
+        return chosen
+
+
+def row_rule(seq, family: str) -> RowRule:
+    """The commit rule of one `Sequence` for its next step."""
+    p = seq.params
+    a = p.accel
+    code = rule_code(p.algorithm, seq.uses_threshold)
+    forced = None
+    multi = seq.multi is not None
+    if multi:
+        span = seq.multi.forced()
+        if span is not None:
+            lo = seq.window_start - seq.prompt_len
+            forced = (span[0] - lo, span[1] - lo)
+    dream = family == "dream"
+    return RowRule(
+        code=code,
+        k=seq.transfer_count() if code in (RANK, LEAP) else 0,
+        threshold=p.threshold if p.threshold is not None else float("nan"),
+        factor=a.factor,
+        anchor=a.anchor_threshold,
+        neighbor=a.neighbor_threshold,
+        radius=a.leap_radius,
+        entropy_f64=not dream or multi,  # d3LLM's Dream single-block loop: logits' dtype
+        strict=dream,
+        keep_best=not (dream and multi),
+        forced=forced,
+    )

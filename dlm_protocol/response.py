@@ -1,0 +1,30 @@
+"""What responses carry beyond OpenAI's fields, and the finish reasons, written once."""
+
+from __future__ import annotations
+
+# Finish reasons the engine reports; OpenAI knows the first two (`abort` = cancelled/shut down).
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+OPENAI_FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH)
+
+# Extra fields of OpenAI's `usage` object (non-streaming bodies and the include_usage chunk).
+USAGE_EXTRAS: dict[str, str] = {
+    "forwards": "forwards (NFE, denoising steps) the call used, summed over its choices",
+    "tokens_per_forward": "`completion_tokens / forwards`: how many tokens a forward committed "
+    "on average (1 for one token per step; more with fewer steps or `threshold`)",
+}
+# Extra fields of a streamed choice in `stream_mode: denoise`.
+CHUNK_EXTRAS: dict[str, str] = {
+    "canvas": "the whole canvas after this step (token strings, null = still masked)",
+    "steps": "forwards used so far",
+}
+
+# Chat roles the engine's chat templates know; OpenAI's newer `developer` is `system`.
+CHAT_ROLES = ("system", "user", "assistant")
+ROLE_ALIASES = {"developer": "system"}
+
+
+def tokens_per_forward(completion_tokens: int, forwards: int) -> float:
+    """Tokens committed per forward, rounded for display; 0 before the first forward."""
+    return round(completion_tokens / forwards, 4) if forwards else 0.0

@@ -1,0 +1,65 @@
+"""What routes depend on: the proxy's shared state, API-key auth and the draining guard.
+
+The state lives on `app.state.proxy` (one per app, so tests can build several apps); routes
+reach it through `Depends(get_state)` instead of closures over `create_app`'s locals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from . import security
+from .config import ProxyConfig
+from .errors import AuthenticationError, ServiceUnavailable
+from .metrics import ProxyMetrics
+from .triton_backend import TritonBackend
+
+
+@dataclass
+class ProxyState:
+    """Everything one app instance shares between requests."""
+
+    config: ProxyConfig
+    backend: TritonBackend
+    metrics: ProxyMetrics
+    draining: bool = False
+    api_keys: list[bytes] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, config: ProxyConfig) -> ProxyState:
+        return cls(
+            config=config,
+            backend=TritonBackend(config),
+            metrics=ProxyMetrics(),
+            api_keys=security.api_keys(config),  # flags, env and the key file
+        )
+
+
+def get_state(request: Request) -> ProxyState:
+    return request.app.state.proxy
+
+
+# A route or dependency parameter `state: State` receives the app's ProxyState.
+State = Annotated[ProxyState, Depends(get_state)]
+
+
+async def require_api_key(request: Request, state: State) -> None:
+    """Bearer auth, only when keys are configured (constant-time compare)."""
+    if not state.api_keys:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
+    if not security.bearer_ok(request.headers, state.api_keys):
+        raise AuthenticationError("invalid API key")
+
+
+def not_draining(state: State) -> None:
+    """New generation calls get 503 once shutdown began (running ones may finish)."""
+    if state.draining:
+        cfg = state.config
+        raise ServiceUnavailable("proxy is shutting down", cfg.retry_after_s, code="draining")
