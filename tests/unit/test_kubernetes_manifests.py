@@ -285,9 +285,7 @@ def test_proxy_metrics_are_scraped_on_their_own_port(objs: list[dict[str, Any]])
                 for svc in find(objs, "Service")
                 if all(svc["metadata"]["labels"].get(k) == v for k, v in selector.items())
             ]
-            assert any(
-                "metrics" in {p["name"] for p in svc["spec"]["ports"]} for svc in scraped
-            )
+            assert any("metrics" in {p["name"] for p in svc["spec"]["ports"]} for svc in scraped)
 
 
 def test_disruption_budgets_cover_both_deployments(objs: list[dict[str, Any]]) -> None:
