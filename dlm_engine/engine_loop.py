@@ -14,6 +14,7 @@ from collections.abc import Callable
 from .engine import Engine
 from .outputs import RequestOutput
 from .sampling_params import ResolvedParams
+from .threads import use_threads
 
 log = logging.getLogger(__name__)
 OnOutput = Callable[[RequestOutput], None]
@@ -22,9 +23,15 @@ OnOutput = Callable[[RequestOutput], None]
 class EngineLoop:
     """Runs `engine.step()` in a daemon thread while there is work."""
 
-    def __init__(self, engine: Engine, on_step: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        on_step: Callable[[int], None] | None = None,
+        torch_threads: int | None = None,
+    ) -> None:
         self.engine = engine
         self.on_step = on_step  # rows per step, for metrics
+        self.torch_threads = torch_threads  # set on the loop's thread (dlm_engine/threads.py)
         self._inbox: queue.Queue[tuple] = queue.Queue()
         self._callbacks: dict[str, OnOutput] = {}
         self._stop = threading.Event()
@@ -55,6 +62,7 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        use_threads(self.torch_threads)
         while not self._stop.is_set():
             self._drain_inbox(block=not self.engine.has_unfinished())
             if self._stop.is_set():

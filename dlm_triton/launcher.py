@@ -33,11 +33,13 @@ from dlm_triton.procs import (
     free_port,
     has_gpu,
     http_ok,
+    http_text,
     proc_children,
     suppress,
     term_with_parent,
     terminate,
 )
+from dlm_triton.runtime_info import model_info
 from dlm_triton.server_dist import ServerDist, find_server
 from dlm_triton.supervisor import Supervisor
 
@@ -549,5 +551,11 @@ class TritonServerProcess:
             self.stop()
             print(f"stopped: {json.dumps(self.last_stop)}", file=sys.stderr)
 
+    def runtime(self) -> dict[str, str]:
+        """What the loaded model reports of itself (dtype and why, device, torch threads)."""
+        text = http_text(f"http://127.0.0.1:{self.ports.metrics}/metrics")
+        return model_info(text, self.model_name)
+
     def describe(self) -> str:
-        return json.dumps({"model": self.model_name, "device": self.device, **self.urls}, indent=2)
+        info = {"model": self.model_name, "device": self.device, **self.runtime(), **self.urls}
+        return json.dumps(info, indent=2)

@@ -71,6 +71,7 @@ class TritonPythonModel:
     # ------------------------------------------------------------------ lifecycle
     def initialize(self, args: dict[str, str]) -> None:
         from dlm_engine import Engine, EngineConfig, EngineLoop
+        from dlm_engine.threads import hand_threads_to_engine_thread
 
         model_config = json.loads(args["model_config"])
         self.model_name = args["model_name"]
@@ -96,6 +97,8 @@ class TritonPythonModel:
         accepted = {f.name for f in fields(EngineConfig)}
         if "quantization" not in accepted and wanted["quantization"]:
             raise ValueError(f"this engine does not support quantization={s.quantization!r}")
+        # the main thread stays single-threaded; the engine thread steps with every thread
+        self.torch_threads = hand_threads_to_engine_thread()
         self.engine = Engine(EngineConfig(**{k: v for k, v in wanted.items() if k in accepted}))
         self.instance_name = args.get("model_instance_name", "0")
         self.metrics = Metrics(pb_utils, self.model_name, self.instance_name)
@@ -108,20 +111,24 @@ class TritonPythonModel:
         self._outbox: queue.Queue = queue.Queue()
         self._closing = False
         self._stop = threading.Event()
-        self.loop = EngineLoop(self.engine, on_step=self._on_step)
+        self.loop = EngineLoop(self.engine, on_step=self._on_step, torch_threads=self.torch_threads)
         self._intake = Intake()
         self._sender = threading.Thread(target=self._send_loop, name="dlm-sender", daemon=True)
         self._watcher = threading.Thread(target=self._watch_loop, name="dlm-watch", daemon=True)
         self._sender.start()
         self._watcher.start()
-        import torch
-
         from dlm_engine.loader import choose_dtype
 
         dtype, why = choose_dtype(s.dtype, self.engine.loaded.config, s.device)
+        self.metrics.info(
+            dtype=dtype,
+            dtype_reason=why,
+            device=s.device,
+            torch_threads=str(self.torch_threads),
+        )
         pb_utils.Logger.log_info(
             f"dlm model {self.model_name}: checkpoint={s.checkpoint} device={s.device} "
-            f"dtype={dtype} ({why}) max_rows={s.max_rows} torch_threads={torch.get_num_threads()}"
+            f"dtype={dtype} ({why}) max_rows={s.max_rows} torch_threads={self.torch_threads} (engine thread)"
         )
 
     def _on_step(self, rows: int) -> None:

@@ -344,3 +344,18 @@ def test_committed_repository_model_serves_with_env_overrides(
                 break
         assert refused
     assert "max_rows=4" in (tmp_path / "triton.log").read_text()
+
+
+def test_ready_line_says_the_dtype_the_model_chose_and_why(
+    triton_server, tiny_checkpoint: Path
+) -> None:
+    """The launcher's ready line reads the model's own ``dlm_model_info`` metric: the dtype
+    the loaded instance runs in and why, the same as the loader's rule gives."""
+    from dlm_engine.loader import choose_dtype
+
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    want_dtype, want_reason = choose_dtype("auto", config, "cpu")
+    described = json.loads(triton_server.describe())
+    assert described["dtype"] == want_dtype
+    assert described["dtype_reason"] == want_reason
+    assert described["device"] == "cpu" and int(described["torch_threads"]) >= 1
