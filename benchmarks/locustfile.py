@@ -16,7 +16,9 @@ Events (Locust ``request`` events; the ``Type`` column of the stats):
 
 * ``E2E``: request start to final response. ``response_length`` is the number of completion
   tokens, so Locust's "Average Content Size" x "Requests/s" is generated tokens/s.
-* ``TTFT``: request start to the first non-empty text (streaming requests only).
+* ``TTFT``: request start to the first non-empty text (streaming requests only). Fired when the
+  request completes, so TTFT and E2E cover the same requests (a run that quits mid-request
+  records neither for it).
 
 Everything is configured by environment variables (defaults in brackets):
 
@@ -220,11 +222,14 @@ def _fire(
     *,
     tokens: int = 0,
     exc: BaseException | None = None,
+    ended: float | None = None,
 ) -> None:
+    """One Locust event from ``started`` to ``ended`` (default: now)."""
+    stop = time.perf_counter() if ended is None else ended
     env.events.request.fire(
         request_type=kind,
         name=name,
-        response_time=(time.perf_counter() - started) * 1000.0,
+        response_time=(stop - started) * 1000.0,
         response_length=tokens,
         exception=exc,
         context={},
@@ -263,12 +268,18 @@ class ProxyChatUser(User):
         stream = random.random() < SETTINGS.stream_fraction
         name = "proxy chat stream" if stream else "proxy chat"
         started = time.perf_counter()
+        first_text_at: float | None = None
         try:
-            tokens = self._stream(started, name) if stream else self._once()
+            if stream:
+                tokens, first_text_at = self._stream(started)
+            else:
+                tokens = self._once()
         except Exception as exc:  # every failure is a Locust failure, never a crash
             _fire(self.environment, "E2E", name, started, exc=exc)
             time.sleep(FAILURE_BACKOFF_S)
             return
+        if first_text_at is not None:
+            _fire(self.environment, "TTFT", name, started, ended=first_text_at)
         _fire(self.environment, "E2E", name, started, tokens=tokens)
 
     def _post(self, body: dict[str, Any], stream: bool) -> requests.Response:
@@ -293,12 +304,12 @@ class ProxyChatUser(User):
             raise LoadError("no message content")
         return int(data["usage"]["completion_tokens"])
 
-    def _stream(self, started: float, name: str) -> int:
-        """Read the SSE stream; fire TTFT at the first non-empty content delta."""
+    def _stream(self, started: float) -> tuple[int, float | None]:
+        """Read the SSE stream: completion tokens, and when the first non-empty content came."""
         finish_reason = None
         tokens: int | None = None
         saw_done = False
-        first = True
+        first_text_at: float | None = None
         deadline = started + SETTINGS.timeout_s
         with self._post(self._body(stream=True), stream=True) as resp:
             resp.encoding = resp.encoding or "utf-8"  # SSE is UTF-8; else lines come as bytes
@@ -317,9 +328,8 @@ class ProxyChatUser(User):
                 if chunk.get("usage"):
                     tokens = int(chunk["usage"]["completion_tokens"])
                 for choice in chunk.get("choices", []):
-                    if first and choice.get("delta", {}).get("content"):
-                        first = False
-                        _fire(self.environment, "TTFT", name, started)
+                    if first_text_at is None and choice.get("delta", {}).get("content"):
+                        first_text_at = time.perf_counter()
                     finish_reason = choice.get("finish_reason") or finish_reason
         if not saw_done:
             raise LoadError("stream ended without data: [DONE]")
@@ -327,7 +337,7 @@ class ProxyChatUser(User):
             raise LoadError(f"finish_reason {finish_reason!r}")
         if tokens is None:
             raise LoadError("no usage chunk although stream_options.include_usage was set")
-        return tokens
+        return tokens, first_text_at
 
 
 class TritonGrpcUser(User):
@@ -372,7 +382,7 @@ class TritonGrpcUser(User):
             self.client.async_stream_infer(
                 SETTINGS.model, self._inputs(stream), request_id=request_id
             )
-            tokens = self._read(request_id, started, name, stream)
+            tokens, first_text_at = self._read(request_id, started, stream)
         except Exception as exc:
             _fire(self.environment, "E2E", name, started, exc=exc)
             try:
@@ -382,11 +392,14 @@ class TritonGrpcUser(User):
                 pass  # the next request fails and reports it
             time.sleep(FAILURE_BACKOFF_S)
             return
+        if first_text_at is not None:
+            _fire(self.environment, "TTFT", name, started, ended=first_text_at)
         _fire(self.environment, "E2E", name, started, tokens=tokens)
 
-    def _read(self, request_id: str, started: float, name: str, stream: bool) -> int:
-        """Responses of this request until one carries a finish_reason (the final one)."""
-        first = True
+    def _read(self, request_id: str, started: float, stream: bool) -> tuple[int, float | None]:
+        """Responses of this request until one carries a finish_reason (the final one): its
+        completion tokens, and when the first non-empty text came (streams only)."""
+        first_text_at: float | None = None
         deadline = started + SETTINGS.timeout_s
         while True:
             left = deadline - time.perf_counter()
@@ -401,14 +414,14 @@ class TritonGrpcUser(User):
             if result.get_response().id != request_id:
                 continue  # a late answer to an earlier, timed-out request
             text = result.as_numpy(tensors.TEXT_OUTPUT.name).reshape(-1)[0]
-            if stream and first and text:
-                first = False
-                _fire(self.environment, "TTFT", name, started)
+            if stream and first_text_at is None and text:
+                first_text_at = time.perf_counter()
             reason = result.as_numpy(tensors.FINISH_REASON.name).reshape(-1)[0].decode()
             if reason:
                 if reason not in ("stop", "length"):
                     raise LoadError(f"finish_reason {reason!r}")
-                return int(result.as_numpy(tensors.COMPLETION_TOKENS.name).reshape(-1)[0])
+                tokens = int(result.as_numpy(tensors.COMPLETION_TOKENS.name).reshape(-1)[0])
+                return tokens, first_text_at
 
 
 STOP_AFTER = int(os.environ.get("DLM_LOAD_STOP_AFTER", "0") or 0)

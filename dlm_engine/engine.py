@@ -21,6 +21,7 @@ from .errors import InvalidRequestError
 from .loader import LoadedModel, load_checkpoint
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
+from .prompt_limits import check_prompt_bytes, prompt_byte_cap, prompt_bytes
 from .sampling_params import ResolvedParams, SamplingParams, resolve
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -63,6 +64,7 @@ class Engine:
         self.last_step_seconds = 0.0
         self.mask_token = lm.tokenizer.convert_ids_to_tokens(lm.mask_id)
         self.structured = StructuredOutput(lm, self.runner)  # grammar-constrained rows
+        self.prompt_byte_cap = prompt_byte_cap(lm.tokenizer, config.max_prompt)
 
     # ---- requests -------------------------------------------------------------------------
     def encode_prompt(
@@ -81,6 +83,8 @@ class Engine:
             raise InvalidRequestError(
                 "prompt", "give exactly one of text_input, messages, input_ids"
             )
+        size = prompt_bytes(text, messages)  # before tokenizing: a len(), not seconds
+        check_prompt_bytes(size, self.prompt_byte_cap, self.config.max_prompt, given[0])
         if messages is not None:
             ids = self._encode_messages(messages)
         elif text is not None:
@@ -214,7 +218,11 @@ class Engine:
         windows = self.runner.step(seqs)
         self.total_forwards += 1
         now = time.monotonic()
-        for seq, window in zip(seqs, windows, strict=False):
+        failed = self.runner.failed_rows
+        for i, (seq, window) in enumerate(zip(seqs, windows, strict=False)):
+            if i in failed:  # this row alone ends with an error; the others go on
+                outputs.append(self._fail_row(seq, failed[i]))
+                continue
             seq.absorb(window)
             out = self._output_for(seq, now)
             if out is not None:
@@ -291,6 +299,24 @@ class Engine:
             )
         self._aborted.clear()
         return outs
+
+    def _fail_row(self, seq: Sequence, message: str) -> RequestOutput:
+        seq.finished = True
+        seq.finish_reason = "error"
+        st = self._texts.pop(seq.request_id)
+        return RequestOutput(
+            request_id=seq.request_id,
+            text=st.sent,
+            delta_text="",
+            token_ids=list(st.token_ids),
+            finished=True,
+            finish_reason="error",
+            prompt_tokens=seq.prompt_len,
+            completion_tokens=st.completion_tokens,
+            steps=seq.forwards,
+            error=message,
+            metrics=self._timing(seq, time.monotonic()),
+        )
 
     def drop_running(self) -> list[tuple[str, int]]:
         """Remove every running row (after a failed step); returns (request id, prompt tokens)."""

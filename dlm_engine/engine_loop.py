@@ -14,6 +14,7 @@ from collections.abc import Callable
 from .engine import Engine
 from .outputs import RequestOutput
 from .sampling_params import ResolvedParams
+from .threads import use_threads
 
 log = logging.getLogger(__name__)
 OnOutput = Callable[[RequestOutput], None]
@@ -22,18 +23,28 @@ OnOutput = Callable[[RequestOutput], None]
 class EngineLoop:
     """Runs `engine.step()` in a daemon thread while there is work."""
 
-    def __init__(self, engine: Engine, on_step: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        on_step: Callable[[int], None] | None = None,
+        torch_threads: int | None = None,
+    ) -> None:
         self.engine = engine
         self.on_step = on_step  # rows per step, for metrics
+        self.torch_threads = torch_threads  # set on the loop's thread (dlm_engine/threads.py)
         self._inbox: queue.Queue[tuple] = queue.Queue()
         self._callbacks: dict[str, OnOutput] = {}
         self._stop = threading.Event()
+        self._pending_adds = 0  # submitted, not yet handed to the engine (cancels not counted)
+        self._pending_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="dlm-engine", daemon=True)
         self._thread.start()
 
     def submit(
         self, request_id: str, prompt_ids: list[int], params: ResolvedParams, on_output: OnOutput
     ) -> None:
+        with self._pending_lock:
+            self._pending_adds += 1
         self._inbox.put(("add", request_id, prompt_ids, params, on_output))
 
     def cancel(self, request_id: str) -> None:
@@ -41,7 +52,8 @@ class EngineLoop:
 
     @property
     def queue_depth(self) -> int:
-        return self.engine.num_waiting + self._inbox.qsize()
+        """Requests waiting for a row: in the engine's queue or not yet handed to it."""
+        return self.engine.num_waiting + self._pending_adds
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop after the current step; unfinished requests get a final `abort` output."""
@@ -50,6 +62,7 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        use_threads(self.torch_threads)
         while not self._stop.is_set():
             self._drain_inbox(block=not self.engine.has_unfinished())
             if self._stop.is_set():
@@ -81,6 +94,8 @@ class EngineLoop:
     def _handle(self, item: tuple) -> None:
         if item[0] == "add":
             _, rid, prompt_ids, params, cb = item
+            with self._pending_lock:
+                self._pending_adds -= 1
             try:
                 self.engine.add_request(rid, prompt_ids, params)
                 self._callbacks[rid] = cb

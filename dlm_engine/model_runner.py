@@ -23,8 +23,10 @@ from .cuda_graphs import GraphCache, round_up
 from .decoding import RowDecode, RowIndex, propose, select_transfers
 from .decoding.commit_rules import CommitPlan, row_rule
 from .decoding.constraints import ConstrainedStep, ConstraintRuntime
+from .decoding.proposals import safe_probabilities
 from .kv_cache import KVPool, RefreshKV, SpanKV
 from .models.common import ForwardBatch, FusedKernels
+from .row_guard import RowGuard
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class ModelRunner:
         self.slots: dict[str, int] = {}
         self.refreshes = 0
         self.span_steps = 0
+        self.failed_rows: dict[int, str] = {}  # last step's rows that failed alone, and why
         # work done, for benchmarks: tokens through the layers, (query, key) pairs in
         # attention, and positions sent through the output head
         self.work = {"tokens": 0, "attn_pairs": 0, "logit_positions": 0}
@@ -307,6 +310,7 @@ class ModelRunner:
         constrained = (
             ConstrainedStep(self.constraint_runtime, seqs) if self.constraint_runtime else None
         )
+        guard = RowGuard(len(seqs), dev)
         logits, current = self._window_logits(seqs)
         if constrained:  # grammar rows: masks on the CPU while the forward runs, then in order
             constrained.prepare()
@@ -314,19 +318,24 @@ class ModelRunner:
         valid = torch.arange(logits.shape[1], device=dev)[None, :] < widths[:, None]
         masked = (current == self.mask_id) & valid
         extra = {} if plan.simple else plan.scores(logits)  # before propose edits logits
-        x0, conf = propose(self.family, logits, rows, index, self.eos_id, self.mask_id)
+        x0, conf = propose(self.family, logits, rows, index, self.eos_id, self.mask_id, guard)
         if plan.simple:
             chosen = select_transfers(conf, masked, k, plan.threshold)
         else:
             chosen = plan.select(conf, x0, masked, extra)
-        chosen = self._sampled_positions(seqs, chosen, conf, masked, k)
+        chosen = self._sampled_positions(seqs, chosen, conf, masked, k, guard)
+        ok = guard.check_step(conf, x0, masked, chosen, self.mask_id)
+        for i in guard.errors:  # rows whose code raised keep their tokens too (scalar fills)
+            ok[i] = False
         new = torch.where(chosen, x0, current)
         if constrained:
             new = constrained.write(new, current, forced)
+        new = torch.where(ok[:, None], new, current)  # a failed row commits nothing
         for i, s in enumerate(seqs):
             w = s.window_width
             s.tokens[s.window_start : s.window_start + w] = new[i, :w]
-        host = new.cpu().tolist()
+        host = torch.cat([new, ok[:, None].to(new.dtype)], dim=1).cpu().tolist()  # the one copy
+        self.failed_rows = guard.messages([bool(row[-1]) for row in host])
         return [host[i][: s.window_width] for i, s in enumerate(seqs)]
 
     def _sampled_positions(
@@ -336,22 +345,31 @@ class ModelRunner:
         conf: torch.Tensor,
         masked: torch.Tensor,
         k: torch.Tensor,
+        guard: RowGuard,
     ) -> torch.Tensor:
         """Rows that pick positions at random: Dream's `origin` and `alg_temp` sampling."""
         for i, s in enumerate(seqs):
             if s.params.algorithm == "origin":
-                m = masked[i]
-                draws = torch.rand(int(m.sum()), device=self.device, generator=s.generator)
-                pick = torch.zeros_like(m)
-                pick[m] = draws < s.origin_probability()
-                chosen[i] = pick
+
+                def origin(i: int = i, s: Sequence = s) -> None:
+                    m = masked[i]
+                    draws = torch.rand(int(m.sum()), device=self.device, generator=s.generator)
+                    pick = torch.zeros_like(m)
+                    pick[m] = draws < s.origin_probability()
+                    chosen[i] = pick
+
+                guard.run(i, origin)
             elif s.params.alg_temp and not s.uses_threshold and int(k[i]) > 0:
-                w = s.window_width  # draw over the row's own window: batching never changes it
-                c = conf[i, :w].masked_fill(~masked[i, :w], -torch.inf) / s.params.alg_temp
-                idx = torch.multinomial(
-                    torch.softmax(c.float(), -1), int(k[i]), generator=s.generator
-                )
-                pick = torch.zeros_like(masked[i])
-                pick[idx] = True
-                chosen[i] = pick
+
+                def by_alg_temp(i: int = i, s: Sequence = s) -> None:
+                    w = s.window_width  # the row's own window: batching never changes the draw
+                    c = conf[i, :w].masked_fill(~masked[i, :w], -torch.inf) / s.params.alg_temp
+                    p = torch.softmax(c.float(), -1)
+                    guard.require_finite(i, p)
+                    idx = torch.multinomial(safe_probabilities(p), int(k[i]), generator=s.generator)
+                    pick = torch.zeros_like(masked[i])
+                    pick[idx] = True
+                    chosen[i] = pick
+
+                guard.run(i, by_alg_temp)
         return chosen

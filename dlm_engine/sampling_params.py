@@ -19,6 +19,7 @@ from dlm_protocol.params import (
     DEFAULT_THRESHOLD,
     MAX_ENTROPY_THRESHOLD,
     MAX_STOP_STRINGS,
+    MIN_POSITIVE_TEMPERATURE,
     STREAM_MODES,
 )
 
@@ -37,6 +38,13 @@ __all__ = [
     "resolve",
 ]
 MAX_BLOCK_DEFAULT = 32
+
+
+def numerically_safe(value: float | None) -> float | None:
+    """A positive temperature-like value raised to the contract's floor; 0 and None unchanged."""
+    if value is None or value <= 0:
+        return value
+    return max(value, MIN_POSITIVE_TEMPERATURE)
 
 
 class SamplingParams:
@@ -184,10 +192,10 @@ def resolve(
         block_length=block,
         algorithm=algorithm,
         threshold=threshold,
-        temperature=p.temperature,
+        temperature=numerically_safe(p.temperature),
         top_p=p.top_p,
         top_k=p.top_k,
-        alg_temp=p.alg_temp or None,
+        alg_temp=numerically_safe(p.alg_temp) or None,
         cfg_scale=p.cfg_scale,
         seed=p.seed,
         stop=tuple(p.stop),

@@ -43,6 +43,14 @@ SEED_MAX = 2**63 - 1
 DEFAULT_THRESHOLD = 0.9
 # issue 15: d3LLM's entropy threshold is in nats; ln(vocab) of any real tokenizer is below this
 MAX_ENTROPY_THRESHOLD = 20.0
+# Numeric safety: every accepted value keeps a step finite for every row of the batch. A positive
+# temperature or alg_temp below MIN_POSITIVE_TEMPERATURE runs as that floor (dividing logits by
+# 1e-300 overflows to inf and NaN; at 1e-4 the draw is already the argmax); alg_temp and
+# cfg_scale are capped ((scale + 1) * (cond - uncond) overflows half precision; a float32
+# confidence divided by 1e300 is 0, and -inf / inf is NaN).
+MIN_POSITIVE_TEMPERATURE = 1e-4
+MAX_ALG_TEMP = 100.0
+MAX_CFG_SCALE = 100.0
 
 # Value kinds. "stop" is OpenAI's `stop`: a string or a list of strings (normalised to a list).
 INT, FLOAT, BOOL, STR, STOP = "int", "float", "bool", "str", "stop"
@@ -262,7 +270,8 @@ PARAMS: tuple[Param, ...] = (
     Param(
         "temperature",
         FLOAT,
-        "Sampling temperature of the token at each position; 0 = greedy.",
+        "Sampling temperature of the token at each position; 0 = greedy. A positive value "
+        "below 1e-4 runs as 1e-4 (the same argmax, no overflow).",
         default=0.0,
         default_doc="0 (greedy)",
         minimum=0,
@@ -291,8 +300,9 @@ PARAMS: tuple[Param, ...] = (
         "alg_temp",
         FLOAT,
         "Dream: sample *positions* by confidence at this temperature instead of taking the top "
-        "ones (0 = off).",
+        "ones (0 = off). A positive value below 1e-4 runs as 1e-4.",
         minimum=0,
+        maximum=MAX_ALG_TEMP,
         examples=(0.5, -1),
     ),
     Param(
@@ -302,6 +312,7 @@ PARAMS: tuple[Param, ...] = (
         default=0.0,
         default_doc="0 (off)",
         minimum=0,
+        maximum=MAX_CFG_SCALE,
         relations="LLaDA only; not with `cache`",
         examples=(0.0, -0.5),
     ),

@@ -42,6 +42,16 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--ready-timeout", type=float, default=1800.0, help="model load limit (s)")
     p.add_argument("--log-file", type=Path, help="tritonserver log (default: this terminal)")
     p.add_argument("--verbose", action="store_true", help="tritonserver --log-verbose=1")
+    p.add_argument(
+        "--admin-key-file",
+        type=Path,
+        help="key for Triton's admin APIs (default ~/.cache/dlm-triton/admin-key, generated)",
+    )
+    p.add_argument(
+        "--no-restrict-admin",
+        action="store_true",
+        help="leave Triton's model control, logging, trace and shm APIs open",
+    )
 
 
 def _generate_parser(sub: Any) -> None:
@@ -155,6 +165,8 @@ def serve(args: argparse.Namespace) -> int:
         gpu_metrics=True if args.gpu_metrics else None,
         die_with_parent=True,
         verbose=args.verbose,
+        restrict_admin=not args.no_restrict_admin,
+        admin_key_file=args.admin_key_file,
     )
     print(f"starting tritonserver for {args.model or DEFAULT_MODEL} ...", file=sys.stderr)
     server.install_signal_handlers()  # before start: a stop during loading cleans up too

@@ -11,8 +11,10 @@ on their command lines are removed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -23,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dlm_triton import model_repo
+from dlm_triton import admin_key, model_repo
 from dlm_triton.checkpoint_fetch import fetch_checkpoint
 from dlm_triton.procs import (
     alive,
@@ -31,12 +33,15 @@ from dlm_triton.procs import (
     free_port,
     has_gpu,
     http_ok,
+    http_text,
     proc_children,
     suppress,
     term_with_parent,
     terminate,
 )
+from dlm_triton.runtime_info import model_info
 from dlm_triton.server_dist import ServerDist, find_server
+from dlm_triton.supervisor import Supervisor
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -52,6 +57,7 @@ STUB_NAME = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "triton_python_backend_shm_region"
 DEFAULT_MODEL = "tiny-dlm"
+STUB_OMP_WAIT_POLICY = "PASSIVE"  # the stubs' default unless the environment sets one
 PROXY_DRAIN_S = float(os.environ.get("DLM_PROXY_STOP_TIMEOUT", "30"))  # proxy drains, then SIGKILL
 
 
@@ -82,12 +88,17 @@ class ModelChoice:
     runtime_dir: Path | None = None  # written by us, removed at stop
 
 
-def proxy_command(ports: Ports, model_name: str, address: str) -> list[str] | None:
-    """How to start the OpenAI proxy, or None while ``openai_proxy`` has no entry point."""
+def proxy_command(
+    ports: Ports, model_name: str, address: str, admin_key_file: Path | None = None
+) -> list[str] | None:
+    """How to start the OpenAI proxy, or None while ``openai_proxy`` has no entry point.
+    The proxy gets the admin key file (given, or the default one if it exists)."""
     import importlib.util
 
     if importlib.util.find_spec("openai_proxy.__main__") is None:
         return None
+    key_file = admin_key_file or admin_key.default_key_file()
+    key_args = ["--triton-admin-key-file", str(key_file)] if key_file.is_file() else []
     return [
         sys.executable,
         "-m",
@@ -102,6 +113,7 @@ def proxy_command(ports: Ports, model_name: str, address: str) -> list[str] | No
         model_name,
         "--triton-metrics-url",
         f"http://127.0.0.1:{ports.metrics}/metrics",
+        *key_args,
     ]
 
 
@@ -136,6 +148,8 @@ class TritonServerProcess:
         drain_timeout_s: float | None = None,
         dist: ServerDist | None = None,
         verbose: bool = False,
+        restrict_admin: bool = True,
+        admin_key_file: Path | None = None,
     ) -> None:
         self.model = model
         self.device = ("cuda" if has_gpu() else "cpu") if device == "auto" else device
@@ -153,6 +167,9 @@ class TritonServerProcess:
         self.stop_timeout_s = exit_timeout_s + 10.0  # Triton's own wait, then SIGKILL
         self.gpu_metrics = self.device.startswith("cuda") if gpu_metrics is None else gpu_metrics
         self.verbose = verbose
+        # Triton's admin APIs need the key in this file (see dlm_triton/admin_key.py)
+        self.restrict_admin = restrict_admin
+        self.admin_key_file: Path | None = admin_key_file
         self.dist = dist
         self.choice: ModelChoice | None = None
         self.server: subprocess.Popen | None = None
@@ -165,6 +182,13 @@ class TritonServerProcess:
         self._run_dir: Path | None = None
         self.drain_file: Path | None = None
         self.drain_timeout_s = 0.0
+        self.restarts = 0  # times the supervisor brought a dead model back
+        # This server's own shm region prefix: its regions are found (and removed) by name on
+        # every exit path, also when it dies before a stub command line was ever seen.
+        self.shm_prefix = f"{SHM_PREFIX}_dlm{os.getpid()}_{secrets.token_hex(4)}_"
+        self._shm_config = f"shm-region-prefix-name={self.shm_prefix}"
+        self._supervisor: Supervisor | None = None
+        self.restart_log: list[dict[str, object]] = []
 
     # ----------------------------------------------------------------- model choice
     def _overrides(self) -> dict[str, str]:
@@ -233,9 +257,18 @@ class TritonServerProcess:
         self.choice = self._choose_model()
         try:  # a Hub id is downloaded here, with progress on this terminal
             self.choice.env.update(fetch_checkpoint(self.choice.repository, self.choice.name))
+            self._spawn()
+            self._wait_ready()
+            if self.want_proxy:
+                self._start_proxy()
         except BaseException:
             self.stop()
             raise
+        return self
+
+    def _spawn(self) -> None:
+        """Start tritonserver (not waiting for it); also used by :meth:`restart`."""
+        assert self.dist is not None and self.choice is not None
         config_name = model_repo.CPU_CONFIG_NAME if self.device == "cpu" else None
         cmd = self.dist.command(
             self.choice.repository,
@@ -248,6 +281,7 @@ class TritonServerProcess:
             gpu_metrics=self.gpu_metrics,
             log_verbose=1 if self.verbose else 0,
             exit_timeout_s=self.exit_timeout_s,
+            extra_args=[*self._admin_args(), f"--backend-config=python,{self._shm_config}"],
         )
         # The model drains running requests in finalize(); it must end within Triton's exit
         # timeout or Triton gives up (exit 1) and the stubs are orphaned.
@@ -256,44 +290,60 @@ class TritonServerProcess:
         else:
             default = max(1.0, self.exit_timeout_s / 2)  # inside Triton's exit timeout
             self.drain_timeout_s = float(os.environ.get("DLM_DRAIN_TIMEOUT", default))
-        self._run_dir = Path(tempfile.mkdtemp(prefix="dlm-triton-run-"))
+        if self._run_dir is None:
+            self._run_dir = Path(tempfile.mkdtemp(prefix="dlm-triton-run-"))
         self.drain_file = self._run_dir / "drain"
         env = {
             **self.dist.env,
             **self.choice.env,
             "DLM_DRAIN_TIMEOUT": str(self.drain_timeout_s),
             "DLM_DRAIN_FILE": str(self.drain_file),
+            "DLM_RESTARTS": str(self.restarts),  # the model's dlm_model_restarts_total
+            # OpenMP threads sleep instead of spinning between parallel regions: on a busy host
+            # spinning threads of two processes starve each other (docs/benchmarks.md)
+            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", STUB_OMP_WAIT_POLICY),
         }
         out = None
-        if self.log_path is not None:
+        if self.log_path is not None and self._log_file is None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log_file = out = open(self.log_path, "ab")  # noqa: SIM115 - kept for the run
+            self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - kept for the run
+        out = self._log_file
         # Own session: Ctrl-C in a terminal must not reach the server before the proxy drains.
         self.server = subprocess.Popen(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
             start_new_session=True,
             preexec_fn=term_with_parent if self.die_with_parent else None,
         )  # fmt: skip
-        try:
-            self._wait_ready()
-            if self.want_proxy:
-                self._start_proxy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+
+    def _admin_args(self) -> list[str]:
+        if not self.restrict_admin:
+            return []
+        self.admin_key_file, key = admin_key.read_or_create(self.admin_key_file)
+        return admin_key.server_args(key)
+
+    def admin_headers(self, protocol: str = "http") -> dict[str, str]:
+        """Headers (``http``) or gRPC metadata (``grpc``) that unlock Triton's admin APIs on
+        this server; empty if unrestricted."""
+        if not self.restrict_admin or self.admin_key_file is None:
+            return {}
+        name = admin_key.GRPC_HEADER if protocol == "grpc" else admin_key.HEADER
+        return {name: admin_key.read_or_create(self.admin_key_file)[1]}
 
     def _wait_ready(self) -> None:
-        assert self.server is not None and self.choice is not None
+        if self.server is None or self.choice is None:
+            raise StartAborted("stopped before the server was ready")
         base = f"http://127.0.0.1:{self.ports.http}"
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             self._record_stubs()
             if self.stop_requested.is_set():
                 raise StartAborted("stop requested while the model was loading")
-            if self.server.poll() is not None:
+            server = self.server
+            if server is None:
+                raise StartAborted("stopped while the model was loading")
+            if server.poll() is not None:
                 raise RuntimeError(
-                    f"tritonserver exited with {self.server.returncode} while loading "
+                    f"tritonserver exited with {server.returncode} while loading "
                     f"{self.choice.name}{self._log_tail()}"
                 )
             if http_ok(f"{base}/v2/health/ready") and http_ok(
@@ -306,7 +356,8 @@ class TritonServerProcess:
 
     def _start_proxy(self) -> None:
         assert self.choice is not None
-        cmd = proxy_command(self.ports, self.choice.name, self.address)
+        key_file = self.admin_key_file if self.restrict_admin else None
+        cmd = proxy_command(self.ports, self.choice.name, self.address, key_file)
         if cmd is None:
             print("openai_proxy has no entry point yet: serving Triton only", file=sys.stderr)
             return
@@ -358,6 +409,7 @@ class TritonServerProcess:
         """``/dev/shm`` regions named on this server's stub command lines that still exist."""
         names = {a for cmd in self._stubs.values() for a in cmd if a.startswith(SHM_PREFIX)}
         names |= {a.lstrip("/") for cmd in self._stubs.values() for a in cmd if SHM_PREFIX in a}
+        names |= {p.name for p in SHM_DIR.glob(f"{self.shm_prefix}*")}
         return [SHM_DIR / n for n in sorted(names) if (SHM_DIR / n).exists()]
 
     # ----------------------------------------------------------------- stop
@@ -366,6 +418,9 @@ class TritonServerProcess:
 
     def stop(self) -> None:
         """Proxy first (drain), then the server (bounded wait, SIGKILL), stubs, shm files."""
+        if self._supervisor is not None:
+            self._supervisor.stop()
+            self._supervisor = None
         with self._lock:
             if self.proxy is not None:
                 terminate(self.proxy, timeout=PROXY_DRAIN_S)
@@ -378,21 +433,7 @@ class TritonServerProcess:
                 report = {"drained": drained, "server_exit": self.server.returncode}
                 report["server_killed"] = killed
                 report["stop_s"] = round(time.monotonic() - t0, 2)
-                with suppress():  # anything else left in the server's own session
-                    os.killpg(self.server.pid, signal.SIGKILL)
-                leftover = self.stub_pids()
-                report["stubs_killed"] = len(leftover)
-                for pid in leftover:
-                    with suppress():
-                        os.kill(pid, signal.SIGKILL)
-                deadline = time.monotonic() + 5
-                while self.stub_pids() and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                shm = self.shm_files()
-                report["shm_removed"] = len(shm)
-                for path in shm:
-                    with suppress():
-                        path.unlink()
+                report.update(self._kill_leftovers())
                 self.last_stop = report
                 self.server = None
             if self._run_dir is not None:
@@ -404,6 +445,59 @@ class TritonServerProcess:
             if self._log_file is not None:
                 self._log_file.close()
                 self._log_file = None
+
+    def _kill_leftovers(self) -> dict[str, int]:
+        """SIGKILL what is left of the server's session and its stubs; remove their shm."""
+        assert self.server is not None
+        with suppress():  # anything else left in the server's own session
+            os.killpg(self.server.pid, signal.SIGKILL)
+        leftover = self.stub_pids()
+        for pid in leftover:
+            with suppress():
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while self.stub_pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        shm = self.shm_files()
+        for path in shm:
+            with suppress():
+                path.unlink()
+        return {"stubs_killed": len(leftover), "shm_removed": len(shm)}
+
+    # ----------------------------------------------------------------- supervision
+    def dead_reason(self) -> str | None:
+        """Why the served model is dead (tritonserver exited, a stub died), or None."""
+        server = self.server
+        if server is None or self.stop_requested.is_set():
+            return None
+        if server.poll() is not None:
+            return f"tritonserver exited with {server.returncode}"
+        self._record_stubs()
+        for pid, cmd in list(self._stubs.items()):
+            if not alive(pid) or cmdline(pid) != cmd:
+                return f"model stub {pid} died"
+        return None
+
+    def restart(self, reason: str) -> None:
+        """Bring a dead model back: SIGKILL the server at once (a dead stub's requests would
+        hang until Triton's exit timeout; killed, every client connection ends now with an
+        error), remove its stubs and shm, start it again on the same ports, wait ready."""
+        with self._lock:
+            if self.server is None or self.stop_requested.is_set():
+                return
+            t0 = time.monotonic()
+            with suppress():
+                self.server.kill()
+            with suppress(), contextlib.suppress(subprocess.TimeoutExpired):
+                self.server.wait(timeout=10)
+            cleaned = self._kill_leftovers()
+            self._stubs.clear()
+            self.restarts += 1
+            self._spawn()
+        self._wait_ready()
+        self.restart_log.append(
+            {"reason": reason, "restart_s": round(time.monotonic() - t0, 2), **cleaned}
+        )
 
     def _drain(self) -> bool:
         """Ask the model to finish (or abort) its requests before SIGTERM.
@@ -438,14 +532,19 @@ class TritonServerProcess:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self.stop_requested.set())
 
+    def supervise(self) -> Supervisor:
+        """Watch the server and its stubs from now on; a death restarts the server."""
+        if self._supervisor is None:
+            self._supervisor = Supervisor(self).start()
+        return self._supervisor
+
     def serve_forever(self) -> int:
-        """Block until Ctrl-C / SIGTERM or the server dies; then stop everything."""
+        """Block until Ctrl-C / SIGTERM or the proxy dies (a dead model is restarted by the
+        supervisor); then stop everything."""
         self.install_signal_handlers()
+        self.supervise()
         try:
             while not self.stop_requested.wait(1.0):
-                if not self.running():
-                    print("tritonserver exited unexpectedly", file=sys.stderr)
-                    return 1
                 if self.proxy is not None and self.proxy.poll() is not None:
                     print("the OpenAI proxy exited unexpectedly", file=sys.stderr)
                     return 1
@@ -456,5 +555,11 @@ class TritonServerProcess:
             self.stop()
             print(f"stopped: {json.dumps(self.last_stop)}", file=sys.stderr)
 
+    def runtime(self) -> dict[str, str]:
+        """What the loaded model reports of itself (dtype and why, device, torch threads)."""
+        text = http_text(f"http://127.0.0.1:{self.ports.metrics}/metrics")
+        return model_info(text, self.model_name)
+
     def describe(self) -> str:
-        return json.dumps({"model": self.model_name, "device": self.device, **self.urls}, indent=2)
+        info = {"model": self.model_name, "device": self.device, **self.runtime(), **self.urls}
+        return json.dumps(info, indent=2)

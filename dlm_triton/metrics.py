@@ -72,6 +72,11 @@ class Metrics:
         self.generated_tokens = self._metric(
             "dlm_generated_tokens_total", "Completion tokens generated", counter
         )
+        self.restarts = self._metric(
+            "dlm_model_restarts_total",
+            "Times the launcher restarted the server because the model (stub) or server died",
+            counter,
+        )
 
     def _family(self, name: str, doc: str, kind: Any) -> Any:
         with self._families_lock:
@@ -84,6 +89,17 @@ class Metrics:
         if buckets is not None:
             return family.Metric(labels=self.labels, buckets=buckets)
         return family.Metric(labels=self.labels)
+
+    def info(self, **labels: str) -> None:
+        """``dlm_model_info{model, instance, dtype, dtype_reason, device, torch_threads} 1``: what
+        the instance chose at load (read by the launcher's ready line and by dashboards)."""
+        fam = self._family(
+            "dlm_model_info",
+            "Always 1; labels say how the instance runs (dtype and why, device, torch threads)",
+            self.pb.MetricFamily.GAUGE,
+        )
+        self._info = fam.Metric(labels={**self.labels, **labels})  # kept: dropped = unregistered
+        self._info.set(1)
 
     def outcome(self, outcome: str) -> None:
         self.requests[outcome if outcome in self.requests else "error"].increment(1)

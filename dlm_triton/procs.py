@@ -57,6 +57,15 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def http_text(url: str, timeout: float = 2.0) -> str:
+    """The body of a GET, or "" when it fails (for best-effort reads such as metrics)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError):
+        return ""
+
+
 def suppress() -> contextlib.suppress:
     """Ignore a process or file that vanished in between."""
     return contextlib.suppress(ProcessLookupError, FileNotFoundError, PermissionError)

@@ -57,12 +57,18 @@ def _text(name: str, array: np.ndarray) -> str:
     raise RequestError(f"{name}: expected a string (BYTES tensor)")
 
 
-def _messages(array: np.ndarray) -> list[dict[str, str]]:
-    raw = _text("messages", array)
+def _json(name: str, raw: str) -> Any:
+    """Parsed JSON; nesting deep enough to exhaust the parser's recursion is a bad request."""
     try:
-        messages = json.loads(raw)
+        return json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise RequestError(f"messages: not valid JSON ({exc.msg})") from exc
+        raise RequestError(f"{name}: not valid JSON ({exc.msg})") from exc
+    except RecursionError:
+        raise RequestError(f"{name}: JSON nested too deeply") from None
+
+
+def _messages(array: np.ndarray) -> list[dict[str, str]]:
+    messages = _json("messages", _text("messages", array))
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages: expected a non-empty JSON list of {role, content}")
     for i, msg in enumerate(messages):
@@ -99,10 +105,7 @@ def parse_parameters(raw: str | None) -> dict[str, Any]:
     """``request.parameters()`` JSON, minus keys Triton/tritonclient reserve."""
     if not raw:
         return {}
-    try:
-        params = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise RequestError(f"parameters: not valid JSON ({exc.msg})") from exc
+    params = _json("parameters", raw)
     if not isinstance(params, dict):
         raise RequestError("parameters: expected an object")
     return {k: v for k, v in params.items() if not k.startswith(_RESERVED_PREFIXES)}
@@ -136,10 +139,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: str | None) -> Pars
     if SAMPLING_PARAMETERS.name in inputs:
         raw = _text(SAMPLING_PARAMETERS.name, inputs[SAMPLING_PARAMETERS.name])
         if raw.strip():
-            try:
-                tensor_params = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise RequestError(f"sampling_parameters: not valid JSON ({exc.msg})") from exc
+            tensor_params = _json("sampling_parameters", raw)
             if not isinstance(tensor_params, dict):
                 raise RequestError("sampling_parameters: expected a JSON object")
             sampling.update(tensor_params)  # the tensor wins on conflict

@@ -25,6 +25,7 @@ import numpy as np
 
 from dlm_protocol import tensors
 from dlm_protocol.errors import ERROR_PREFIXES, PREFIX_INTERNAL
+from dlm_triton.intake import Intake
 from dlm_triton.metrics import Metrics
 from dlm_triton.request_parse import RequestError, parse_request
 from dlm_triton.settings import config_parameters, resolve_settings
@@ -70,6 +71,7 @@ class TritonPythonModel:
     # ------------------------------------------------------------------ lifecycle
     def initialize(self, args: dict[str, str]) -> None:
         from dlm_engine import Engine, EngineConfig, EngineLoop
+        from dlm_engine.threads import hand_threads_to_engine_thread
 
         model_config = json.loads(args["model_config"])
         self.model_name = args["model_name"]
@@ -95,9 +97,13 @@ class TritonPythonModel:
         accepted = {f.name for f in fields(EngineConfig)}
         if "quantization" not in accepted and wanted["quantization"]:
             raise ValueError(f"this engine does not support quantization={s.quantization!r}")
+        # the main thread stays single-threaded; the engine thread steps with every thread
+        self.torch_threads = hand_threads_to_engine_thread()
         self.engine = Engine(EngineConfig(**{k: v for k, v in wanted.items() if k in accepted}))
         self.instance_name = args.get("model_instance_name", "0")
         self.metrics = Metrics(pb_utils, self.model_name, self.instance_name)
+        # the launcher counts restarts across server lives and hands the count to each one
+        self.metrics.restarts.increment(int(os.environ.get("DLM_RESTARTS") or 0))
 
         self._live: dict[str, _Live] = {}
         self._live_lock = threading.Lock()
@@ -105,19 +111,24 @@ class TritonPythonModel:
         self._outbox: queue.Queue = queue.Queue()
         self._closing = False
         self._stop = threading.Event()
-        self.loop = EngineLoop(self.engine, on_step=self._on_step)
+        self.loop = EngineLoop(self.engine, on_step=self._on_step, torch_threads=self.torch_threads)
+        self._intake = Intake()
         self._sender = threading.Thread(target=self._send_loop, name="dlm-sender", daemon=True)
         self._watcher = threading.Thread(target=self._watch_loop, name="dlm-watch", daemon=True)
         self._sender.start()
         self._watcher.start()
-        import torch
-
         from dlm_engine.loader import choose_dtype
 
         dtype, why = choose_dtype(s.dtype, self.engine.loaded.config, s.device)
+        self.metrics.info(
+            dtype=dtype,
+            dtype_reason=why,
+            device=s.device,
+            torch_threads=str(self.torch_threads),
+        )
         pb_utils.Logger.log_info(
             f"dlm model {self.model_name}: checkpoint={s.checkpoint} device={s.device} "
-            f"dtype={dtype} ({why}) max_rows={s.max_rows} torch_threads={torch.get_num_threads()}"
+            f"dtype={dtype} ({why}) max_rows={s.max_rows} torch_threads={self.torch_threads} (engine thread)"
         )
 
     def _on_step(self, rows: int) -> None:
@@ -131,6 +142,7 @@ class TritonPythonModel:
         and end every request still open with a final response."""
         self._closing = True
         started = time.monotonic()
+        self._intake.shutdown()  # large requests being parsed end (refused) before the drain
         pb_utils.Logger.log_info(
             f"dlm model {self.model_name}: finalize, {len(self._live)} in flight"
         )
@@ -158,20 +170,26 @@ class TritonPythonModel:
     # ------------------------------------------------------------------ requests
     def execute(self, requests: list) -> None:
         for request in requests:
-            self._accept(request)
+            t0 = time.monotonic()
+            try:
+                inputs = self._inputs(request)
+            except Exception as exc:  # any failure must still end the request
+                self._reject(request.get_response_sender(), f"internal error: {exc}", "error")
+                continue
+            # a large prompt is parsed and tokenized on a worker, never before small ones
+            self._intake.accept(inputs, lambda r=request, i=inputs, t=t0: self._accept(r, i, t))
         return None
 
-    def _accept(self, request: Any) -> None:
+    def _accept(self, request: Any, inputs: dict[str, np.ndarray], t0: float) -> None:
         from dlm_engine import InvalidRequestError, SamplingParams
 
         sender = request.get_response_sender()
-        t0 = time.monotonic()
         try:
             if self._closing:
                 raise _Refused("overloaded: the server is shutting down")
             if len(self._live) >= self.settings.max_queue:
                 raise _Refused(f"overloaded: {len(self._live)} requests in flight, try again later")
-            parsed = parse_request(self._inputs(request), request.parameters())
+            parsed = parse_request(inputs, request.parameters())
             params = self.engine.resolve_params(SamplingParams.from_dict(parsed.sampling))
             prompt_ids = self.engine.encode_prompt(
                 **{_ENCODE_KW[parsed.prompt_kind]: parsed.prompt}

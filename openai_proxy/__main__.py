@@ -1,7 +1,8 @@
 """`python -m openai_proxy --port 9000 --triton-url localhost:8001`: serve with uvicorn.
 
-On SIGTERM/SIGINT uvicorn stops accepting connections and lets running responses (streams
-included) finish for up to --drain-timeout seconds before the lifespan closes the Triton clients.
+On SIGTERM/SIGINT new calls get 503 `draining` while running responses (streams included)
+finish for up to --drain-timeout seconds (openai_proxy/drain.py); then uvicorn closes the
+listener and the lifespan closes the Triton clients.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import uvicorn
 
 from .app import create_app
 from .config import config_from_args
+from .drain import DrainingServer
 from .security import check_exposure
 
 
@@ -29,8 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=cfg.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    app = create_app(cfg)
     config = uvicorn.Config(
-        create_app(cfg),
+        app,
         host=cfg.host,
         port=cfg.port,
         log_level=cfg.log_level,
@@ -38,7 +41,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         lifespan="on",
         proxy_headers=False,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(
+        config,
+        begin_drain=app.state.begin_drain,
+        in_flight=app.state.in_flight,
+        drain_timeout_s=cfg.drain_timeout_s,
+    )
     # One server on both sockets (API, and /metrics when it has its own port): one lifespan,
     # one drain; security.MetricsGate routes by the connection's local port.
     sockets = [config.bind_socket()]

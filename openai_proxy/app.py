@@ -82,4 +82,7 @@ def create_app(config: ProxyConfig | None = None) -> FastAPI:
         app.include_router(router)
     if cfg.playground_enabled(has_keys=bool(state.api_keys)):
         app.include_router(playground.router)
+    # for openai_proxy.drain: 503 `draining` to new calls while the listener stays open
+    app.state.begin_drain = lambda: setattr(state, "draining", True)
+    app.state.in_flight = lambda: state.metrics.in_flight
     return app

@@ -10,8 +10,11 @@ import argparse
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from dlm_protocol import limits
+
+from .replicas import validate_targets
 
 ENV_PREFIX = "DLM_PROXY_"
 PLAYGROUND_MODES = ("auto", "on", "off")
@@ -37,8 +40,13 @@ class ProxyConfig:
 
     host: str = "127.0.0.1"  # beyond loopback needs API keys or allow_no_auth (security.py)
     port: int = 9000
-    # gRPC endpoints of one or more tritonservers serving the same models (round-robin).
+    # gRPC endpoints of one or more tritonservers serving the same models; `dns:HOST:PORT` is
+    # every address HOST resolves to (a headless Service), re-resolved every resolve_interval_s.
+    # Each request goes to the replica with the fewest requests open (openai_proxy/replicas.py).
     triton_urls: list[str] = field(default_factory=lambda: ["localhost:8001"])
+    resolve_interval_s: float = 10.0
+    # Attempts on another replica after one broke before any token was sent (refusals are free).
+    retries: int = 1
     # If set, only these Triton models are served (others answer 404); empty = all ready models.
     models: list[str] = field(default_factory=list)
     # Where Triton's Prometheus metrics live; /metrics points there.
@@ -64,6 +72,11 @@ class ProxyConfig:
     cors_origins: list[str] = field(default_factory=list)
     # Whole-request timeout (seconds) for one Triton stream.
     request_timeout_s: float = 600.0
+    # File holding the key of Triton's restricted admin APIs (the repository index the health
+    # probe reads); sent as the `dlm-admin-key` header. Empty: no header.
+    triton_admin_key_file: str = ""
+    # A Triton stream that sends nothing for this long is ended (504 / SSE error event).
+    stream_idle_timeout_s: float = 300.0
     # Timeout for health and index calls to Triton.
     health_timeout_s: float = 2.0
     # How often each Triton URL is probed for readiness and its model list.
@@ -103,11 +116,22 @@ class ProxyConfig:
         for name in ("max_tokens_limit", "max_n", "max_fanout", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        validate_targets(self.triton_urls)
+        if self.retries < 0:
+            raise ValueError("retries must be >= 0")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError("metrics_port must be 0 (off) or a TCP port")
-        for name in ("request_timeout_s", "health_timeout_s", "health_interval_s"):
+        for name in (
+            "request_timeout_s",
+            "stream_idle_timeout_s",
+            "health_timeout_s",
+            "health_interval_s",
+            "resolve_interval_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.triton_admin_key_file and not Path(self.triton_admin_key_file).is_file():
+            raise ValueError(f"triton_admin_key_file {self.triton_admin_key_file} is not a file")
         if self.first_event_wait_s < 0 or self.drain_timeout_s < 0:
             raise ValueError("first_event_wait_s and drain_timeout_s must be >= 0")
         if self.playground not in PLAYGROUND_MODES:
@@ -144,8 +168,20 @@ def build_arg_parser() -> argparse.ArgumentParser:
         action="append",
         dest="triton_urls",
         metavar="HOST:PORT",
-        help="Triton gRPC endpoint; repeat or comma-separate for round-robin "
-        "(DLM_PROXY_TRITON_URLS, default localhost:8001)",
+        help="Triton gRPC endpoint, or dns:HOST:PORT for every address of HOST (re-resolved); "
+        "repeat or comma-separate for several replicas (DLM_PROXY_TRITON_URLS, default "
+        "localhost:8001)",
+    )
+    p.add_argument(
+        "--resolve-interval",
+        type=float,
+        dest="resolve_interval_s",
+        help="seconds between DNS look-ups of dns: entries (default 10)",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        help="attempts on another replica after one failed before any token (default 1)",
     )
     p.add_argument(
         "--model",
@@ -183,6 +219,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="allowed CORS origin ('*' for any); repeat for several",
     )
     p.add_argument("--request-timeout", type=float, dest="request_timeout_s")
+    p.add_argument(
+        "--triton-admin-key-file",
+        help="file with the key of Triton's restricted admin APIs (DLM_PROXY_TRITON_ADMIN_KEY_FILE)",
+    )
+    p.add_argument("--stream-idle-timeout", type=float, dest="stream_idle_timeout_s")
     p.add_argument("--health-timeout", type=float, dest="health_timeout_s")
     p.add_argument("--health-interval", type=float, dest="health_interval_s")
     p.add_argument("--first-event-wait", type=float, dest="first_event_wait_s")

@@ -23,6 +23,7 @@ _UNAVAILABLE_MARKERS = (
     "server not ready",
     "no healthy",
     "broken pipe",
+    "is not healthy",  # Triton: "Stub process '<model>_0_0' is not healthy" (being restarted)
 )
 _NOT_FOUND_MARKERS = ("unknown model", "is not found", "no model named")
 _TIMEOUT_MARKERS = ("deadline exceeded", "deadline_exceeded", "statuscode.deadline_exceeded")

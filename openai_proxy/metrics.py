@@ -85,4 +85,5 @@ class ProxyMetrics:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
         for name, (help_text, value) in counters.items():
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
+        lines += backend.pool.metrics_lines()  # per-replica series (openai_proxy/replicas.py)
         return "\n".join(lines) + "\n"

@@ -11,15 +11,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException
 
+from .admin_key import model_states
 from .config import ProxyConfig
 from .errors import ModelNotFound, ServiceUnavailable
+from .replicas import Replica, ReplicaPool
 
 log = logging.getLogger("openai_proxy.triton")
 
@@ -37,30 +38,24 @@ _CHANNEL_ARGS = [
 ]
 
 
-@dataclass
-class BackendState:
-    """What the last probe of one Triton URL found."""
-
-    url: str
-    client: InferenceServerClient
-    ready: bool = False
-    models: set[str] = field(default_factory=set)
-    # Every model in the repository index with its state (READY, LOADING, UNAVAILABLE, ...).
-    states: dict[str, str] = field(default_factory=dict)
-    last_error: str = ""
-    last_probe: float = 0.0
-    in_flight: int = 0
+# One replica: its client, what the last probe found, and its counters (replicas.py).
+BackendState = Replica[InferenceServerClient]
 
 
 class TritonPool:
-    """A pool of tritonservers serving the same models: one gRPC aio client each, a health
-    loop probing readiness and the model index, and the choice of a server for a request
-    (least in flight, round-robin among equals)."""
+    """The tritonservers serving the same models: one gRPC aio client each (membership, choice,
+    ejection and per-replica counters: `replicas.ReplicaPool`), and a health loop probing
+    readiness and the model index, re-resolving `dns:` entries every `resolve_interval_s`."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self._states: list[BackendState] = []
-        self._rr = 0
+        self.pool: ReplicaPool[InferenceServerClient] = ReplicaPool(
+            config.triton_urls,
+            lambda url: InferenceServerClient(url, channel_args=_CHANNEL_ARGS),
+            lambda client: client.close(),
+            eject_s=config.health_interval_s,
+        )
+        self._last_sync = 0.0
         self._health_task: asyncio.Task[None] | None = None
         self._probe_lock = asyncio.Lock()
         self._last_refresh = 0.0
@@ -71,10 +66,8 @@ class TritonPool:
 
     async def start(self) -> None:
         """Create channels inside the running loop (grpc.aio binds them to it) and probe once."""
-        self._states = [
-            BackendState(url=u, client=InferenceServerClient(u, channel_args=_CHANNEL_ARGS))
-            for u in self.config.triton_urls
-        ]
+        await self.pool.sync()
+        self._last_sync = time.monotonic()
         await self.refresh(force=True)
         self._health_task = asyncio.create_task(self._health_loop(), name="triton-health")
 
@@ -83,9 +76,11 @@ class TritonPool:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
-        for st in self._states:
-            with contextlib.suppress(Exception):
-                await st.client.close()
+        await self.pool.close()
+
+    @property
+    def _states(self) -> list[BackendState]:
+        return self.pool.replicas
 
     # -- health ---------------------------------------------------------------------------------
 
@@ -93,36 +88,23 @@ class TritonPool:
         while True:
             await asyncio.sleep(self.config.health_interval_s)
             try:
+                if time.monotonic() - self._last_sync >= self.config.resolve_interval_s:
+                    self._last_sync = time.monotonic()
+                    await self.pool.sync()
                 await self.refresh(force=True)
             except Exception:  # never let the loop die
                 log.exception("health probe failed")
 
     async def _probe(self, st: BackendState) -> None:
         timeout = self.config.health_timeout_s
-        was_ready = st.ready
         try:
             ready = await st.client.is_server_ready(client_timeout=timeout)
             states: dict[str, str] = {}
             if ready:
-                index = await st.client.get_model_repository_index(
-                    as_json=True, client_timeout=timeout
-                )
-                states = {m["name"]: m.get("state", "") for m in index.get("models", [])}
-                if self.config.models:
-                    states = {k: v for k, v in states.items() if k in self.config.models}
-            models = {name for name, state in states.items() if state == "READY"}
-            st.ready, st.models, st.states, st.last_error = bool(ready), models, states, ""
+                states = await model_states(st.client, self.config, timeout)
+            self.pool.probed(st, bool(ready), states)
         except Exception as exc:  # any failure = not ready; the message is kept for /health
-            st.ready, st.models, st.states = False, set(), {}
-            st.last_error = _short(exc)
-        st.last_probe = time.monotonic()
-        if was_ready != st.ready:
-            log.warning(
-                "triton %s is now %s%s",
-                st.url,
-                "ready" if st.ready else "NOT ready",
-                f" ({st.last_error})" if st.last_error else "",
-            )
+            self.pool.probed(st, False, {}, _short(exc))
 
     async def refresh(self, force: bool = False) -> None:
         """Probe all URLs; concurrent callers share one probe, and unforced ones are rate-limited."""
@@ -149,6 +131,7 @@ class TritonPool:
                 "ready": st.ready,
                 "models": sorted(st.models),
                 "in_flight": st.in_flight,
+                **({"draining": True} if st.draining else {}),
                 **({"error": st.last_error} if st.last_error else {}),
             }
             for st in self._states
@@ -161,8 +144,8 @@ class TritonPool:
         await self.refresh()
         if self._candidates(model):
             return
-        if not self.any_ready():
-            raise self.unavailable()
+        if not self.any_ready() or any(model in st.models for st in self._states):
+            raise self.unavailable()  # served, but no replica can take it now
         if any(st.states.get(model) == "LOADING" for st in self._states):
             # Being loaded: worth retrying soon (an unloaded or failed model is a 404).
             raise ServiceUnavailable(
@@ -173,23 +156,17 @@ class TritonPool:
         raise ModelNotFound(model)
 
     def _candidates(self, model: str) -> list[BackendState]:
-        return [st for st in self._states if st.ready and model in st.models]
+        return self.pool.candidates(model)
 
     def unavailable(self) -> ServiceUnavailable:
-        errors = "; ".join(f"{st.url}: {st.last_error or 'not ready'}" for st in self._states)
+        errors = "; ".join(f"{st.url}: {self.pool.why_not_usable(st)}" for st in self._states)
         return ServiceUnavailable(
             f"Triton is not ready ({errors})", self.config.retry_after_s, code="triton_unavailable"
         )
 
     def pick(self, model: str, exclude: set[str]) -> BackendState | None:
-        cands = [st for st in self._candidates(model) if st.url not in exclude]
-        if not cands:
-            return None
-        self._rr = (self._rr + 1) % (1 << 30)
-        # Least in-flight first, round-robin among equals.
-        low = min(st.in_flight for st in cands)
-        ties = [st for st in cands if st.in_flight == low]
-        return ties[self._rr % len(ties)]
+        """The usable replica serving `model` with the fewest requests open (ties rotate)."""
+        return self.pool.pick(model, exclude)
 
     async def model_config(self, model: str) -> dict[str, Any]:
         """The model's Triton config (JSON form) from a ready server that serves it."""

@@ -25,6 +25,7 @@ from dlm_protocol import tensors
 from .config import ProxyConfig
 from .converters import TritonEvent, TritonJob
 from .errors import ProxyError, ServiceUnavailable, UpstreamTimeout, from_triton_message
+from .idle import idle_timeout
 from .triton_pool import BackendState, TritonPool
 
 
@@ -62,10 +63,12 @@ class TritonStreams:
 
         call = st.client.stream_infer(requests(), stream_timeout=self.config.request_timeout_s)
         st.in_flight += 1
+        st.attempts += 1
         self.opened += 1
         complete = False
         try:
-            async for result, error in call:
+            idle_s = self.config.stream_idle_timeout_s
+            async for result, error in idle_timeout(call, idle_s, lambda: _idle_error(idle_s)):
                 if error is not None:
                     self.errors += 1
                     raise from_triton_message(error.message(), self.config.retry_after_s)
@@ -177,3 +180,7 @@ def map_exception(exc: BaseException, retry_after_s: int) -> ProxyError:
             )
         return from_triton_message(exc.message() or str(exc), retry_after_s)
     return from_triton_message(str(exc), retry_after_s)
+
+
+def _idle_error(idle_s: float) -> UpstreamTimeout:
+    return UpstreamTimeout(f"Triton sent nothing for {idle_s:g} s", code="upstream_idle")

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..reference import top_k_logits, top_p_logits
+from ..row_guard import RowGuard
 
 
 @dataclass
@@ -80,30 +81,44 @@ def propose(
     index: RowIndex,
     eos_id: int,
     mask_id: int,
+    guard: RowGuard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens [B, K] and confidences [B, K] for every window position of every row.
 
     The mask token is never proposed (committing it would leave the position masked);
     confidences still come from the unmodified distribution, as published. `logits` may be
-    modified in place."""
+    modified in place. With a `guard`, a row whose own code raises fails alone."""
+    guard = guard or RowGuard(len(rows), logits.device)
     if index.suppress is not None:
         logits[index.suppress, :, eos_id] = -torch.inf
     if family == "llada":
-        return _propose_llada(logits, rows, index, mask_id)
-    return _propose_dream(logits, rows, index, mask_id)
+        return _propose_llada(logits, rows, index, mask_id, guard)
+    return _propose_dream(logits, rows, index, mask_id, guard)
+
+
+def _gumbel_argmax(lg: torch.Tensor, temperature: float, generator) -> torch.Tensor:
+    """LLaDA's `add_gumbel_noise` + argmax. 0/0 (a -inf logit over an underflowed noise
+    term, common at high temperature) is the one NaN it can make: such a position is never
+    the proposal, so it counts as 0, the smallest value."""
+    u = torch.rand(lg.shape, dtype=torch.float64, device=lg.device, generator=generator)
+    noised = lg.exp() / (-torch.log(u)) ** temperature
+    return torch.nan_to_num(noised, nan=0.0).argmax(dim=-1)
 
 
 def _propose_llada(
-    logits: torch.Tensor, rows: list[RowDecode], index: RowIndex, mask_id: int
+    logits: torch.Tensor, rows: list[RowDecode], index: RowIndex, mask_id: int, guard: RowGuard
 ) -> tuple[torch.Tensor, torch.Tensor]:
     probs = F.softmax(logits.to(torch.float64), dim=-1)
     logits[..., mask_id] = -torch.inf
     x0 = logits.argmax(dim=-1)
     for i, r in enumerate(rows):
         if r.temperature > 0:
-            lg = logits[i, : r.width].to(torch.float64)
-            u = torch.rand(lg.shape, dtype=torch.float64, device=lg.device, generator=r.generator)
-            x0[i, : r.width] = (lg.exp() / (-torch.log(u)) ** r.temperature).argmax(dim=-1)
+
+            def sample(i: int = i, r: RowDecode = r) -> None:
+                lg = logits[i, : r.width].to(torch.float64)
+                x0[i, : r.width] = _gumbel_argmax(lg, r.temperature, r.generator)
+
+            guard.run(i, sample)
     conf = torch.gather(probs, -1, x0[..., None]).squeeze(-1)
     for i, r in enumerate(rows):
         if r.algorithm == "random":
@@ -114,18 +129,22 @@ def _propose_llada(
 
 
 def _propose_dream(
-    logits: torch.Tensor, rows: list[RowDecode], index: RowIndex, mask_id: int
+    logits: torch.Tensor, rows: list[RowDecode], index: RowIndex, mask_id: int, guard: RowGuard
 ) -> tuple[torch.Tensor, torch.Tensor]:
     for i, r in enumerate(rows):
         if r.temperature > 0 or r.top_p is not None or r.top_k is not None:
-            lg = logits[i]
-            if r.temperature > 0:
-                lg = lg / r.temperature
-            if r.top_p is not None and r.top_p < 1:
-                lg = top_p_logits(lg, r.top_p)
-            if r.top_k is not None:
-                lg = top_k_logits(lg, r.top_k)
-            logits[i] = lg
+
+            def warp(i: int = i, r: RowDecode = r) -> None:
+                lg = logits[i]
+                if r.temperature > 0:
+                    lg = lg / r.temperature
+                if r.top_p is not None and r.top_p < 1:
+                    lg = top_p_logits(lg, r.top_p)
+                if r.top_k is not None:
+                    lg = top_k_logits(lg, r.top_k)
+                logits[i] = lg
+
+            guard.run(i, warp)
     probs = torch.softmax(logits, dim=-1)
     conf = _alt_confidence(
         torch.zeros(probs.shape[:-1], dtype=probs.dtype, device=probs.device), probs, index
@@ -134,9 +153,29 @@ def _propose_dream(
     best, x0 = probs.max(dim=-1)
     for i, r in enumerate(rows):
         if r.temperature > 0:
-            p = probs[i, : r.width].float()
-            x0[i, : r.width] = torch.multinomial(p, 1, generator=r.generator).squeeze(-1)
-            best[i, : r.width] = torch.gather(
-                probs[i, : r.width], -1, x0[i, : r.width, None]
-            ).squeeze(-1)
+
+            def sample(i: int = i, r: RowDecode = r) -> None:
+                p = probs[i, : r.width].float()
+                guard.require_finite(i, p)
+                x0[i, : r.width] = _multinomial(p, r.generator)
+                best[i, : r.width] = torch.gather(
+                    probs[i, : r.width], -1, x0[i, : r.width, None]
+                ).squeeze(-1)
+
+            guard.run(i, sample)
     return x0, torch.where(index.keep_best[:, None], best, conf)
+
+
+def safe_probabilities(p: torch.Tensor) -> torch.Tensor:
+    """`p` with non-finite or negative entries zeroed and all-zero rows made one-hot, so
+    `torch.multinomial` never sees an invalid row: on CUDA that is a device-side assert that
+    ends the process. A row this changes is failed by the caller's finiteness check."""
+    p = torch.where(torch.isfinite(p) & (p > 0), p, torch.zeros_like(p))
+    empty = p.sum(dim=-1, keepdim=True) <= 0
+    first = torch.zeros_like(p)
+    first[..., 0] = 1
+    return torch.where(empty, first, p)
+
+
+def _multinomial(p: torch.Tensor, generator) -> torch.Tensor:
+    return torch.multinomial(safe_probabilities(p), 1, generator=generator).squeeze(-1)

@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 OUT = Path(__file__).resolve().parent / "dashboards" / "dlm-triton.json"
+# Kustomize reads files only under its own directory, so the Kubernetes monitoring component
+# ships a copy (docker/kubernetes/components/monitoring); written and checked with the original.
+K8S_COPY = OUT.parents[2] / "kubernetes" / "components" / "monitoring" / "dlm-triton.json"
 DATASOURCE = {"type": "prometheus", "uid": "dlm-prometheus"}
 
 # Our metrics (dlm_triton/metrics.py, openai_proxy/metrics.py) and Triton's own (nv_*), by role.
@@ -31,6 +34,11 @@ M = {
     "steps_per_request": "dlm_steps_per_request",  # histogram
     "proxy_requests": "dlm_proxy_requests_total",  # counter, labels route, status
     "proxy_in_flight": "dlm_proxy_in_flight_requests",  # gauge
+    # Per Triton replica, as the proxy sees it (openai_proxy/replicas.py), label replica.
+    "replica_in_flight": "dlm_proxy_replica_in_flight",  # gauge
+    "replica_up": "dlm_proxy_replica_up",  # gauge, 1 while it gets new requests
+    "replica_failures": "dlm_proxy_replica_failures_total",  # counter
+    "replica_retries": "dlm_proxy_replica_retries_total",  # counter
     "nv_pending": "nv_inference_pending_request_count",
     "nv_gpu_util": "nv_gpu_utilization",
     "nv_gpu_mem_used": "nv_gpu_memory_used_bytes",
@@ -222,6 +230,30 @@ def build() -> dict[str, Any]:
         "short",
         "Chat and completion calls being served (streams included).",
     )
+    g.timeseries(
+        "Requests in flight per Triton replica",
+        [
+            (f"sum by (replica) ({M['replica_in_flight']})", "{{replica}}"),
+            (f"sum({M['replica_up']})", "replicas in use"),
+        ],
+        "short",
+        "What the proxy balances on (fewest in flight first), and how many replicas get work.",
+    )
+    g.timeseries(
+        "Replica failures and retries/s",
+        [
+            (
+                f"sum by (replica) (rate({M['replica_failures']}[$__rate_interval]))",
+                "failed {{replica}}",
+            ),
+            (
+                f"sum by (replica) (rate({M['replica_retries']}[$__rate_interval]))",
+                "moved away {{replica}}",
+            ),
+        ],
+        "reqps",
+        "Streams that broke on a replica, and requests moved to another before any token.",
+    )
     return {
         "uid": "dlm-triton",
         "title": "dlm-triton",
@@ -248,13 +280,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     text = render()
     if args.check:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"stale: {OUT} (run python {Path(__file__).name})", file=sys.stderr)
-            return 1
+        for out in (OUT, K8S_COPY):
+            if not out.exists() or out.read_text() != text:
+                print(f"stale: {out} (run python {Path(__file__).name})", file=sys.stderr)
+                return 1
         return 0
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
-    print(OUT)
+    for out in (OUT, K8S_COPY):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        print(out)
     return 0
 
 

@@ -19,9 +19,16 @@ from pathlib import Path
 import openai
 import pytest
 
+from dlm_triton import admin_key
 from dlm_triton.launcher import TritonServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _admin_key_args() -> list[str]:
+    """The launcher restricts Triton's admin APIs; the proxy's health probe needs the key."""
+    path = admin_key.default_key_file()
+    return ["--triton-admin-key-file", str(path)] if path.exists() else []
 
 
 class ProxyProcess:
@@ -40,6 +47,7 @@ class ProxyProcess:
             "--health-timeout", "1",
             "--log-level", "warning",
             *[a for url in triton_grpc for a in ("--triton-url", url)],
+            *_admin_key_args(),
             *args,
         ]  # fmt: skip
         self.log_path = log_path

@@ -18,13 +18,12 @@ import httpx
 import pytest
 import torch
 from dlm_client import DLMClient
+from embedded_server import embedded_server as serve_embedded
 from proxy_fixtures import ProxyProcess
 from triton_metrics import read_metric
 
 from dlm_engine import Engine, EngineConfig
 from dlm_engine.training.tasks import heldout_examples, messages_for
-from dlm_triton.launcher import Ports, TritonServerProcess
-from dlm_triton.server_dist import TritonNotFoundError, find_server
 from dlm_triton.settings import ASSETS_DIR
 
 pytestmark = pytest.mark.integration
@@ -67,28 +66,16 @@ def alone(engine: Engine, messages: list[dict], settings: dict) -> tuple[str, st
 @pytest.fixture(scope="module")
 def churn_stack(tmp_path_factory: pytest.TempPathFactory):
     """tiny-dlm on its own tritonserver (clean gauges and memory) with a proxy in front."""
-    try:
-        find_server()
-    except TritonNotFoundError:
-        pytest.skip("no tritonserver available")
     logs = tmp_path_factory.mktemp("churn")
-    server = TritonServerProcess(
-        ASSETS_DIR / "tiny-dlm",
-        model_name="tiny-dlm",
-        device="cpu",
-        engine_params={"max_rows": str(MAX_ROWS)},
-        ports=Ports.free(),
-        log_path=logs / "triton.log",
-        ready_timeout_s=300,
-        exit_timeout_s=5,
-    ).start()
-    proxy = ProxyProcess([server.urls["grpc"]], log_path=logs / "proxy.log")
-    try:
-        proxy.start(timeout_s=60)
-        yield server, proxy
-    finally:
-        proxy.stop()
-        server.stop()
+    with serve_embedded(
+        logs, ready_timeout_s=300, engine_params={"max_rows": str(MAX_ROWS)}
+    ) as server:
+        proxy = ProxyProcess([server.urls["grpc"]], log_path=logs / "proxy.log")
+        try:
+            proxy.start(timeout_s=60)
+            yield server, proxy
+        finally:
+            proxy.stop()
 
 
 def stub_rss_mb(server) -> float:

@@ -418,7 +418,11 @@ def test_grafana_dashboard_is_current_and_uses_real_metrics() -> None:
         assert topic in titles
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
     used = set(re.findall(r"\b(dlm_[a-z_]+?)(?:_bucket|_sum|_count)?\b", exprs))
-    sources = [ROOT / "dlm_triton" / "metrics.py", ROOT / "openai_proxy" / "metrics.py"]
+    sources = [
+        ROOT / "dlm_triton" / "metrics.py",
+        ROOT / "openai_proxy" / "metrics.py",
+        ROOT / "openai_proxy" / "replicas.py",
+    ]
     registered = {
         m for p in sources for m in re.findall(r"(?:HELP |[\"'])(dlm_[a-z_]+)", p.read_text())
     }

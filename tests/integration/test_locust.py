@@ -20,9 +20,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from embedded_server import embedded_server as serve_embedded
 
-from dlm_triton.launcher import Ports, TritonServerProcess, proxy_command
-from dlm_triton.server_dist import TritonNotFoundError, find_server
+from dlm_triton.launcher import TritonServerProcess, proxy_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,29 +53,13 @@ def _stop(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
 # machine takes longer instead of failing; the run-time and timeouts only catch a real hang.
 STOP_AFTER = 3
 HANG_CAP = "600s"
-EMBEDDED_MODEL = Path(__file__).resolve().parents[2] / "dlm_engine" / "assets" / "tiny-dlm"
 
 
 @pytest.fixture(scope="module")
 def embedded_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServerProcess]:
     """tritonserver on the embedded default model (what `dlm-triton serve` serves), free ports."""
-    try:
-        find_server()
-    except TritonNotFoundError:
-        pytest.skip("no tritonserver available")
-    server = TritonServerProcess(
-        EMBEDDED_MODEL,
-        model_name="tiny-dlm",
-        device="cpu",
-        ports=Ports.free(),
-        log_path=tmp_path_factory.mktemp("locust-triton") / "triton.log",
-        ready_timeout_s=600,
-        exit_timeout_s=5,
-    ).start()
-    try:
+    with serve_embedded(tmp_path_factory.mktemp("locust-triton"), ready_timeout_s=600) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -20,16 +20,15 @@ import openai
 import pytest
 import tritonclient.grpc as grpcclient
 from chromium_setup import LAUNCH_ARGS, ensure_chromium
+from embedded_server import embedded_server as serve_embedded
 from proxy_fixtures import ProxyProcess
 
-from dlm_triton.launcher import Ports, TritonServerProcess
-from dlm_triton.server_dist import TritonNotFoundError, find_server
+from dlm_triton.launcher import TritonServerProcess
 
 pytestmark = pytest.mark.integration
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 
 ROOT = Path(__file__).resolve().parents[2]
-EMBEDDED_MODEL = ROOT / "dlm_engine" / "assets" / "tiny-dlm"
 MODEL = "tiny-dlm"
 PROMPT = "Reverse the word diffusion."
 # Four blocks of 8 positions, one commit per step: a canvas that visibly settles block by block.
@@ -52,23 +51,8 @@ RECORD_FRAMES = """() => {
 
 @pytest.fixture(scope="module")
 def tiny_dlm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServerProcess]:
-    try:
-        find_server()
-    except TritonNotFoundError:
-        pytest.skip("no tritonserver available")
-    server = TritonServerProcess(
-        EMBEDDED_MODEL,
-        model_name=MODEL,
-        device="cpu",
-        ports=Ports.free(),
-        log_path=tmp_path_factory.mktemp("playground-triton") / "triton.log",
-        ready_timeout_s=180,
-        exit_timeout_s=5,
-    ).start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    with serve_embedded(tmp_path_factory.mktemp("playground-triton"), ready_timeout_s=180) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

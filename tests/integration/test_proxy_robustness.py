@@ -293,8 +293,9 @@ def test_triton_stopped_gives_503_then_recovers(tiny_checkpoint: Path, tmp_path:
                     model=name,
                     prompt="hello",
                     stream=True,
-                    max_tokens=LONG["max_tokens"],
-                    extra_body={k: LONG[k] for k in ("steps", "block_length", "suppress_eos")},
+                    # streamed text must start soon (blocks of 32) and the whole lasts long
+                    max_tokens=512,
+                    extra_body={"steps": 512, "block_length": 32, "suppress_eos": True},
                 )
                 outcome["chunks"] = 0
                 for _ in stream:

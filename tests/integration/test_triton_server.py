@@ -185,7 +185,10 @@ def test_cancellation_frees_the_row(client: DLMClient, metric) -> None:
     aborted0 = metric("dlm_requests_total", outcome="abort")
     long = {"max_tokens": 512, "steps": 512, "stream_mode": "denoise", "suppress_eos": True}
     stream = client.stream("a long one", **long)
-    next(stream)  # running: denoise mode answers every step
+    assert not next(stream).final  # running: denoise mode answers every step
+    deadline = time.monotonic() + 30  # the gauge is read from Triton's metrics endpoint
+    while metric("dlm_requests_in_flight") != 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert metric("dlm_requests_in_flight") == 1
     stream.close()  # tritonclient stop_stream(cancel_requests=True): a client cancel
 
@@ -341,3 +344,31 @@ def test_committed_repository_model_serves_with_env_overrides(
                 break
         assert refused
     assert "max_rows=4" in (tmp_path / "triton.log").read_text()
+
+
+def test_ready_line_says_the_dtype_the_model_chose_and_why(
+    triton_server, tiny_checkpoint: Path
+) -> None:
+    """The launcher's ready line reads the model's own ``dlm_model_info`` metric: the dtype
+    the loaded instance runs in and why, the same as the loader's rule gives."""
+    from dlm_engine.loader import choose_dtype
+
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    want_dtype, want_reason = choose_dtype("auto", config, "cpu")
+    described = json.loads(triton_server.describe())
+    assert described["dtype"] == want_dtype
+    assert described["dtype_reason"] == want_reason
+    assert described["device"] == "cpu" and int(described["torch_threads"]) >= 1
+
+
+def test_server_runs_with_sleeping_openmp_threads(triton_server) -> None:
+    """tritonserver (and the stubs it starts) get OMP_WAIT_POLICY=PASSIVE unless the caller's
+    environment names a policy: spinning OpenMP threads of two busy processes starve each
+    other (a 20x slower step on a loaded 2-core host, docs/benchmarks.md)."""
+    import os
+
+    from dlm_triton.launcher import STUB_OMP_WAIT_POLICY
+
+    raw = Path(f"/proc/{triton_server.server.pid}/environ").read_bytes()
+    env = dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+    assert env["OMP_WAIT_POLICY"] == os.environ.get("OMP_WAIT_POLICY", STUB_OMP_WAIT_POLICY)

@@ -148,3 +148,36 @@ def test_engine_loop_submit_cancel_shutdown(engines: dict[str, Engine]) -> None:
     assert done["long"].finish_reason == "abort"
     assert done["long"].steps < 512
     assert done["dup"].finish_reason in ("stop", "length")
+
+
+def test_engine_loop_thread_takes_the_torch_threads(engines: dict[str, Engine]) -> None:
+    """The Triton model keeps its main thread single-threaded and hands the process's thread
+    count to the engine thread (dlm_engine/threads.py: worker threads ran 1.5x slower once the
+    main thread had run a two-thread op); the loop sets it on its own thread."""
+    import torch
+
+    from dlm_engine.threads import hand_threads_to_engine_thread
+
+    before = torch.get_num_threads()
+    try:
+        handed = hand_threads_to_engine_thread()
+        assert handed == before and torch.get_num_threads() == 1
+        eng = engines["llada"]
+        seen: list[int] = []
+        finished = threading.Event()
+
+        def collect(out: RequestOutput) -> None:
+            seen.append(torch.get_num_threads())  # runs on the loop's thread
+            if out.finished:
+                finished.set()
+
+        loop = EngineLoop(eng, torch_threads=handed + 1)
+        try:
+            loop.submit("t", _prompt(eng), eng.resolve_params(dict(max_tokens=4, steps=4)), collect)
+            assert finished.wait(60)
+        finally:
+            loop.shutdown()
+        assert seen and set(seen) == {handed + 1}
+        assert torch.get_num_threads() == 1  # the caller's own count is untouched
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,28 @@
+"""Reading a model's ``dlm_model_info`` sample back from Prometheus text."""
+
+from __future__ import annotations
+
+from dlm_triton.runtime_info import model_info
+
+TEXT = """# HELP dlm_model_info Always 1
+# TYPE dlm_model_info gauge
+dlm_model_info{model="other",instance="o_0",dtype="bfloat16",device="cuda",torch_threads="8"} 1
+dlm_model_info{model="tiny",instance="tiny_0",dtype="float32",dtype_reason="auto on CPU: float32 (a \\"quoted\\", b)",device="cpu",torch_threads="2"} 1
+dlm_requests_in_flight{model="tiny",instance="tiny_0"} 0
+"""
+
+
+def test_the_named_models_labels_are_read_with_escapes() -> None:
+    info = model_info(TEXT, "tiny")
+    assert info == {
+        "dtype": "float32",
+        "dtype_reason": 'auto on CPU: float32 (a "quoted", b)',
+        "device": "cpu",
+        "torch_threads": "2",
+    }
+    assert model_info(TEXT, "other")["dtype"] == "bfloat16"
+
+
+def test_absent_metric_or_model_gives_nothing() -> None:
+    assert model_info("", "tiny") == {}
+    assert model_info(TEXT, "missing") == {}
