@@ -16,10 +16,11 @@ Adding a key: append a `Param` to `PARAMS` (and use it in the engine); see docs/
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import structure_shapes
 from .errors import InvalidRequestError
 
 ALGORITHMS = (
@@ -80,6 +81,9 @@ class Param:
     # An OpenAI request field too (the proxy documents it as such).
     openai: bool = False
     examples: tuple[Any, Any] = field(default=(None, None))  # (valid, invalid) for tests
+    # JSON keys: the value's shape, checked here (reason or None); its content (a schema or
+    # grammar that compiles) is the engine's to check.
+    shape: Callable[[Any], str | None] | None = None
 
     # -- checking ------------------------------------------------------------------------------
 
@@ -104,6 +108,10 @@ class Param:
             value = dict(self.value_aliases).get(value, value)
         elif kind == STOP:
             value = self._check_stop(value)
+        elif kind == JSON and self.shape is not None:
+            reason = self.shape(value)
+            if reason:
+                self._fail(reason)
         if self.choices and value not in self.choices:
             self._fail(f"must be one of {', '.join(self.choices)}, got {_show(value)}")
         if kind in (INT, FLOAT) and not self._in_range(value):
@@ -494,14 +502,28 @@ STRUCTURE_PARAMS = (
         "the output parses and validates (llguidance). A JSON string is accepted too.",
         openai=True,
         examples=({"type": "json_object"}, "xml"),
+        shape=structure_shapes.response_format,
     ),
-    Param("regex", JSON, "The output matches this regular expression.", examples=("[a-z]+", "(")),
-    Param("choice", JSON, "The output is one of these strings.", examples=(["a", "b"], "yes")),
+    Param(
+        "regex",
+        JSON,
+        "The output matches this regular expression.",
+        examples=("[a-z]+", 5),
+        shape=structure_shapes.non_empty_string,
+    ),
+    Param(
+        "choice",
+        JSON,
+        "The output is one of these strings.",
+        examples=(["a", "b"], "yes"),
+        shape=structure_shapes.string_list,
+    ),
     Param(
         "grammar",
         JSON,
         "The output is in this context-free grammar (Lark, or GBNF `root ::= ...`).",
-        examples=('start: "x"', "start: nowhere"),
+        examples=('start: "x"', ["start"]),
+        shape=structure_shapes.non_empty_string,
     ),
 )
 PARAMS = PARAMS + ACCELERATION_PARAMS + STRUCTURE_PARAMS
