@@ -57,7 +57,6 @@ STUB_NAME = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "triton_python_backend_shm_region"
 DEFAULT_MODEL = "tiny-dlm"
-STUB_OMP_WAIT_POLICY = "PASSIVE"  # the stubs' default unless the environment sets one
 PROXY_DRAIN_S = float(os.environ.get("DLM_PROXY_STOP_TIMEOUT", "30"))  # proxy drains, then SIGKILL
 
 
@@ -299,9 +298,6 @@ class TritonServerProcess:
             "DLM_DRAIN_TIMEOUT": str(self.drain_timeout_s),
             "DLM_DRAIN_FILE": str(self.drain_file),
             "DLM_RESTARTS": str(self.restarts),  # the model's dlm_model_restarts_total
-            # OpenMP threads sleep instead of spinning between parallel regions: on a busy host
-            # spinning threads of two processes starve each other (docs/benchmarks.md)
-            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", STUB_OMP_WAIT_POLICY),
         }
         out = None
         if self.log_path is not None and self._log_file is None:

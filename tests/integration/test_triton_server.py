@@ -359,16 +359,3 @@ def test_ready_line_says_the_dtype_the_model_chose_and_why(
     assert described["dtype"] == want_dtype
     assert described["dtype_reason"] == want_reason
     assert described["device"] == "cpu" and int(described["torch_threads"]) >= 1
-
-
-def test_server_runs_with_sleeping_openmp_threads(triton_server) -> None:
-    """tritonserver (and the stubs it starts) get OMP_WAIT_POLICY=PASSIVE unless the caller's
-    environment names a policy: spinning OpenMP threads of two busy processes starve each
-    other (a 20x slower step on a loaded 2-core host, docs/benchmarks.md)."""
-    import os
-
-    from dlm_triton.launcher import STUB_OMP_WAIT_POLICY
-
-    raw = Path(f"/proc/{triton_server.server.pid}/environ").read_bytes()
-    env = dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
-    assert env["OMP_WAIT_POLICY"] == os.environ.get("OMP_WAIT_POLICY", STUB_OMP_WAIT_POLICY)
