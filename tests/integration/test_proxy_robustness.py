@@ -96,7 +96,7 @@ def malformed_cases(model: str) -> list[tuple[str, str, Any, int]]:
         ("POST", C, c(seed=-5), 400),
         ("POST", C, c(logprobs=True), 400),
         ("POST", C, c(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
-        ("POST", C, c(response_format={"type": "json_object"}), 400),
+        ("POST", C, c(response_format={"type": "xml"}), 400),
         ("POST", C, c(presence_penalty=1.0), 400),
         ("POST", C, c(temprature=0.5), 400),
         ("POST", C, c(stream_mode="denoise"), 400),
