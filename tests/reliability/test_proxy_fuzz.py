@@ -13,6 +13,10 @@ from reliability_stack import ExtraProxy, long_runs
 from dlm_triton.launcher import TritonServerProcess
 
 schemathesis = pytest.importorskip("schemathesis")
+# Its OpenAPI adapters are imported lazily; import (and assertion-rewrite) them here at
+# collection, not while the test's proxy and gRPC threads run: CPython 3.11's compile() once
+# failed mid-test with "AST constructor recursion depth mismatch" on that lazy import.
+pytest.importorskip("schemathesis.specs.openapi.adapter")
 pytestmark = pytest.mark.integration
 
 FUZZ_EXAMPLES = 200 if long_runs() else 8
