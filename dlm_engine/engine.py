@@ -282,27 +282,18 @@ class Engine:
             if seq is None:
                 continue
             self.runner.release(rid)
-            st = self._texts.pop(rid)
-            outs.append(
-                RequestOutput(
-                    request_id=rid,
-                    text=st.sent,
-                    delta_text="",
-                    token_ids=list(st.token_ids),
-                    finished=True,
-                    finish_reason="abort",
-                    prompt_tokens=seq.prompt_len,
-                    completion_tokens=st.completion_tokens,
-                    steps=seq.forwards,
-                    metrics=self._timing(seq, time.monotonic()),
-                )
-            )
+            outs.append(self._ended_output(seq, "abort"))
         self._aborted.clear()
         return outs
 
     def _fail_row(self, seq: Sequence, message: str) -> RequestOutput:
         seq.finished = True
         seq.finish_reason = "error"
+        return self._ended_output(seq, "error", message)
+
+    def _ended_output(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
+        """The final output of a request ended early (aborted, or its row failed): the text
+        already sent stands, nothing more is added."""
         st = self._texts.pop(seq.request_id)
         return RequestOutput(
             request_id=seq.request_id,
@@ -310,11 +301,11 @@ class Engine:
             delta_text="",
             token_ids=list(st.token_ids),
             finished=True,
-            finish_reason="error",
+            finish_reason=reason,
             prompt_tokens=seq.prompt_len,
             completion_tokens=st.completion_tokens,
             steps=seq.forwards,
-            error=message,
+            error=error,
             metrics=self._timing(seq, time.monotonic()),
         )
 

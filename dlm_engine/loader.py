@@ -49,6 +49,7 @@ class LoadedModel:
     device: torch.device
     path: Path
     decoding_defaults: dict[str, Any] = field(default_factory=dict)  # e.g. d3LLM's
+    dtype_reason: str = ""  # why `dtype` was chosen (choose_dtype), for logs and metrics
 
 
 # Measured on a 2-core AVX512-BF16 machine (tiny-dlm, 32-token canvas, per denoising step):
@@ -76,10 +77,6 @@ def choose_dtype(name: str, config: dict[str, Any], device: str = "cpu") -> tupl
     if chosen not in DTYPES:
         raise ValueError(f"unsupported dtype {chosen!r}; choose one of {sorted(DTYPES)} or auto")
     return chosen, why
-
-
-def resolve_dtype(name: str, config: dict[str, Any], device: str = "cpu") -> torch.dtype:
-    return DTYPES[choose_dtype(name, config, device)[0]]
 
 
 def _read_state(path: Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -130,7 +127,8 @@ def random_checkpoint(
         raise ValueError(f"unknown random preset {name!r}; choose one of {sorted(PRESETS)}")
     config = dict(PRESETS[name])
     family = detect_family(config)
-    torch_dtype = resolve_dtype(dtype, config, device)
+    dtype_name, dtype_reason = choose_dtype(dtype, config, device)
+    torch_dtype = DTYPES[dtype_name]
     dev = torch.device(device)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype)  # materialise straight in the target dtype
@@ -155,7 +153,17 @@ def random_checkpoint(
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     mask_id, eos_id = int(config["mask_token_id"]), int(config["eos_token_id"])
     return LoadedModel(
-        model, family, config, tok, mask_id, eos_id, frozenset(), torch_dtype, dev, tok_dir
+        model,
+        family,
+        config,
+        tok,
+        mask_id,
+        eos_id,
+        frozenset(),
+        torch_dtype,
+        dev,
+        tok_dir,
+        dtype_reason=dtype_reason,
     )
 
 
@@ -213,4 +221,5 @@ def load_checkpoint(
         dev,
         path,
         decoding_defaults(path, family.name, config, gen),
+        dtype_reason,
     )

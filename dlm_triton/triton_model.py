@@ -117,9 +117,8 @@ class TritonPythonModel:
         self._watcher = threading.Thread(target=self._watch_loop, name="dlm-watch", daemon=True)
         self._sender.start()
         self._watcher.start()
-        from dlm_engine.loader import choose_dtype
-
-        dtype, why = choose_dtype(s.dtype, self.engine.loaded.config, s.device)
+        loaded = self.engine.loaded  # the loader's own choice, not a second derivation
+        dtype, why = str(loaded.dtype).removeprefix("torch."), loaded.dtype_reason
         self.metrics.info(
             dtype=dtype,
             dtype_reason=why,

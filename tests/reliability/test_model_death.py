@@ -60,6 +60,7 @@ def _kill_under_load(stack: TritonServerProcess, victim: Callable[[], int]) -> N
     client = DLMClient(stack.urls["grpc"], stack.model_name, http_url=stack.urls["http"])
     expected = _answer(base)
     restarts = stack.restarts
+    log_before = len(stack.restart_log)
     shm_before = stack.shm_files()
 
     with ThreadPoolExecutor(8) as pool:
@@ -114,6 +115,12 @@ def _kill_under_load(stack: TritonServerProcess, victim: Callable[[], int]) -> N
         assert time.monotonic() < deadline, f"not back within {RECOVER_WITHIN_S}s: {r.text}"
         time.sleep(0.5)
     assert r.json()["choices"][0]["message"]["content"] == expected
+    # The supervisor records the restart once its own readiness poll returns, which can be a
+    # poll interval after the model first answers a request.
+    record_deadline = time.monotonic() + 30
+    while len(stack.restart_log) < log_before + 1:
+        assert time.monotonic() < record_deadline, "the supervisor never recorded the restart"
+        time.sleep(0.1)
     ends = [o.ended_at for o in outcomes] + [t for _, t in grpc_results]
     print(  # the figures docs/reliability.md records (pytest -s)
         f"\nkill -9: in-flight ended {min(ends) - killed_at:.1f}-{max(ends) - killed_at:.1f}s, "
