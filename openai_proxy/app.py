@@ -22,6 +22,7 @@ from .dependencies import ProxyState
 from .error_handlers import add_error_handlers, error_response
 from .metrics import ProxyMetrics
 from .middleware import BodySizeLimit, RequestCounter
+from .openapi import openapi_of
 from .routers import ROUTERS
 
 __all__ = ["ProxyMetrics", "ProxyState", "create_app", "error_response"]
@@ -82,6 +83,7 @@ def create_app(config: ProxyConfig | None = None) -> FastAPI:
         app.include_router(router)
     if cfg.playground_enabled(has_keys=bool(state.api_keys)):
         app.include_router(playground.router)
+    app.openapi = openapi_of(app)  # type: ignore[method-assign]  # 400, not FastAPI's 422
     # for openai_proxy.drain: 503 `draining` to new calls while the listener stays open
     app.state.begin_drain = lambda: setattr(state, "draining", True)
     app.state.in_flight = lambda: state.metrics.in_flight

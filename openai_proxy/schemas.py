@@ -250,7 +250,12 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    role: str = Field(..., description=f"{', '.join(OPENAI_ROLES)}.")
+    # The schema lists the accepted roles; the validator below gives `tool` its own message.
+    role: str = Field(
+        ...,
+        description=f"{', '.join(OPENAI_ROLES)} (`developer` = `system`).",
+        json_schema_extra={"enum": list(OPENAI_ROLES)},
+    )
     content: str | list[TextContentPart] = Field(
         ..., description="Text, or a list of {type: text, text} parts."
     )

@@ -8,7 +8,8 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from ..dependencies import State, require_api_key
-from ..schemas import ModelList
+from ..schemas import ModelCard, ModelList
+from ._responses import error_responses
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -22,7 +23,7 @@ def _card(model_id: str) -> dict[str, Any]:
     }
 
 
-@router.get("/v1/models", response_model=ModelList)
+@router.get("/v1/models", response_model=ModelList, responses=error_responses(401, 503))
 async def list_models(state: State) -> Any:
     backend = state.backend
     if not backend.any_ready():
@@ -32,7 +33,9 @@ async def list_models(state: State) -> Any:
     return {"object": "list", "data": [_card(m) for m in backend.ready_models()]}
 
 
-@router.get("/v1/models/{model_id}")
+@router.get(
+    "/v1/models/{model_id}", response_model=ModelCard, responses=error_responses(401, 404, 503)
+)
 async def get_model(model_id: str, state: State) -> Any:
     await state.backend.check_model(model_id)
     return _card(model_id)
