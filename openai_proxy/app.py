@@ -21,7 +21,7 @@ from .config import ProxyConfig
 from .dependencies import ProxyState
 from .error_handlers import add_error_handlers, error_response
 from .metrics import ProxyMetrics
-from .middleware import BodySizeLimit, RequestCounter
+from .middleware import ApiKeyGate, BodySizeLimit, RequestCounter
 from .openapi import openapi_of
 from .routers import ROUTERS
 
@@ -68,6 +68,11 @@ def create_app(config: ProxyConfig | None = None) -> FastAPI:
     app.state.metrics = state.metrics
 
     add_error_handlers(app)
+    # Added innermost first: CORS wraps the key gate and the size limit, so a browser reads
+    # their 401 and 413 (and preflights need no key); the key gate answers before the body is
+    # read or measured (a call without a valid key gets 401 whatever its body).
+    app.add_middleware(BodySizeLimit, limit=cfg.max_request_bytes)
+    app.add_middleware(ApiKeyGate, keys=state.api_keys)
     if cfg.cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -75,7 +80,6 @@ def create_app(config: ProxyConfig | None = None) -> FastAPI:
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["*"],
         )
-    app.add_middleware(BodySizeLimit, limit=cfg.max_request_bytes)
     # /metrics on its own port, or behind the keys on the API port (security.py)
     app.add_middleware(security.MetricsGate, cfg=cfg, keys=state.api_keys)
     app.add_middleware(RequestCounter, metrics=state.metrics)  # outermost: counts 413s too

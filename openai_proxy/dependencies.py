@@ -13,7 +13,7 @@ from fastapi import Depends, Request
 
 from . import security
 from .config import ProxyConfig
-from .errors import AuthenticationError, ServiceUnavailable
+from .errors import ServiceUnavailable
 from .metrics import ProxyMetrics
 from .triton_backend import TritonBackend
 
@@ -47,15 +47,11 @@ State = Annotated[ProxyState, Depends(get_state)]
 
 
 async def require_api_key(request: Request, state: State) -> None:
-    """Bearer auth, only when keys are configured (constant-time compare)."""
-    if not state.api_keys:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
-    if not security.bearer_ok(request.headers, state.api_keys):
-        raise AuthenticationError("invalid API key")
+    """Bearer auth, only when keys are configured (constant-time compare). The API routes are
+    also gated before their body is read (`middleware.ApiKeyGate`): this is the same check."""
+    error = security.api_key_error(request.headers, state.api_keys)
+    if error is not None:
+        raise error
 
 
 def not_draining(state: State) -> None:

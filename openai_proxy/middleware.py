@@ -1,12 +1,15 @@
-"""Pure-ASGI middleware (streaming stays intact): request counting and the body size limit."""
+"""Pure-ASGI middleware (streaming stays intact): request counting, the API-key gate and the body
+size limit."""
 
 from __future__ import annotations
 
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .error_handlers import error_response
 from .errors import ProxyError, RequestTooLarge
 from .metrics import ProxyMetrics
+from .security import api_key_error
 
 
 class RequestCounter:
@@ -33,6 +36,28 @@ class RequestCounter:
         finally:
             route = getattr(scope.get("route"), "path", "other")
             self.metrics.requests[(route, status or 499)] += 1
+
+
+# Every route under this prefix is OpenAI's API and needs a key when keys are configured.
+API_PREFIX = "/v1/"
+
+
+class ApiKeyGate:
+    """401 for an API call without a valid key, before its body is read: a caller without a
+    key learns nothing from the proxy (not whether its JSON parses, nor the size limit), and
+    the proxy reads nothing it sent. The routes' own `require_api_key` applies the same check."""
+
+    def __init__(self, app: ASGIApp, keys: list[bytes]) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.keys and scope["type"] == "http" and scope["path"].startswith(API_PREFIX):
+            error = api_key_error(Headers(scope=scope), self.keys)
+            if error is not None:
+                await send_error(send, error)
+                return
+        await self.app(scope, receive, send)
 
 
 class BodySizeLimit:

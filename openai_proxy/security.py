@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .config import ProxyConfig
-from .errors import error_body
+from .errors import AuthenticationError, error_body
 
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
 METRICS_PATH = "/metrics"
@@ -98,6 +98,18 @@ def bearer_ok(headers: Mapping[str, str] | list[tuple[bytes, bytes]], keys: list
         return False
     given = token.strip().encode()
     return any(hmac.compare_digest(given, k) for k in keys)
+
+
+def api_key_error(headers: Mapping[str, str], keys: list[bytes]) -> AuthenticationError | None:
+    """Why this call may not use the API (None: no keys configured, or a valid bearer key)."""
+    if not keys:
+        return None
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
+    if not bearer_ok(headers, keys):
+        return AuthenticationError("invalid API key")
+    return None
 
 
 def sees_internals(headers: Mapping[str, str], cfg: ProxyConfig, keys: list[bytes]) -> bool:

@@ -145,3 +145,49 @@ def test_metrics_on_their_own_port(tmp_path: Path) -> None:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def test_a_call_without_a_valid_key_gets_401_whatever_its_body() -> None:
+    """Auth comes first: a caller without a key learns nothing about its body (not whether it
+    parses, not the size limit); with the key the same bodies get their 400 and 413."""
+    json_type = {"content-type": "application/json"}
+    bodies: list[tuple[bytes, dict[str, str], int]] = [
+        (b"{not json", json_type, 400),
+        (b"x=1", {}, 400),  # not a JSON object
+        (b"", json_type, 400),  # no body
+        (b'{"model": "m", "messages": [], "steps": 0}', json_type, 400),  # invalid fields
+        (b'{"model": "m", "prompt": "' + b"x" * 600 + b'"}', json_type, 413),  # too large
+    ]
+    with TestClient(create_app(cfg(api_keys=["k1"], max_request_bytes=500))) as c:
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            for body, headers, keyed_status in bodies:
+                for auth in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "k1"}):
+                    resp = c.post(path, content=body, headers={**headers, **auth})
+                    assert resp.status_code == 401, (path, body[:40], auth, resp.text)
+                    assert resp.json()["error"]["code"] == "invalid_api_key"
+                    assert resp.headers["www-authenticate"] == "Bearer"
+                keyed = c.post(
+                    path, content=body, headers={**headers, "Authorization": "Bearer k1"}
+                )
+                assert keyed.status_code == keyed_status, (path, body[:40], keyed.text)
+        for path in ("/v1/models", "/v1/models/tiny-dlm", "/v1/limits", "/v1/no-such-route"):
+            assert c.get(path).status_code == 401, path
+        assert c.get("/health/live").status_code == 200  # probes stay open
+    # Without keys nothing changes: the body's own error.
+    with TestClient(create_app(cfg())) as c:
+        resp = c.post("/v1/chat/completions", content=b"{not json")
+        assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
+
+
+def test_cors_preflight_needs_no_key_and_a_401_is_readable_by_the_page() -> None:
+    origin = {"Origin": "http://ui.example"}
+    with TestClient(create_app(cfg(api_keys=["k1"], cors_origins=["http://ui.example"]))) as c:
+        preflight = c.options(
+            "/v1/chat/completions",
+            headers={**origin, "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization, content-type"},
+        )  # fmt: skip
+        assert preflight.status_code == 200
+        denied = c.post("/v1/chat/completions", content=b"{not json", headers=origin)
+        assert denied.status_code == 401
+        assert denied.headers["access-control-allow-origin"] == "http://ui.example"
