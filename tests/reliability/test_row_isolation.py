@@ -1,7 +1,8 @@
 """One request never harms another inside a step (issue 13, point 1).
 
-Extreme accepted values of every numeric key run in the same steps as good requests; each good
-request's output equals the same request run alone. Rows whose step still fails (forced NaN,
+Extreme accepted values of every numeric key (accelerated decoding's too; unbounded ones at
+2**62) run in the same steps as good requests; each good request's output equals the same request
+run alone. Rows whose step still fails (forced NaN,
 an exception in its policy) end alone with a clear error while the others go on.
 """
 
@@ -14,8 +15,11 @@ import pytest
 from dlm_engine import Engine, EngineConfig, RequestOutput
 from dlm_engine.decoding import proposals
 from dlm_engine.testing import SAMPLE_PROMPTS, make_tiny_checkpoint
+from dlm_protocol.params import ACCELERATION_PARAMS, FLOAT, INT, Param
 
 MAX_CANVAS = 32
+TINY = 1e-300  # the smallest useful value above an exclusive minimum of 0
+HUGE = 2**62  # what a key without an upper bound is sent
 
 GOOD = [
     dict(max_tokens=4, steps=4, block_length=4),
@@ -32,12 +36,54 @@ EXTREME_COMMON = [
     dict(max_tokens=MAX_CANVAS, steps=1, block_length=MAX_CANVAS, seed=2**63 - 1, temperature=1),
     dict(max_tokens=4, steps=4, block_length=1, seed=0, algorithm="random"),
     dict(max_tokens=1, steps=1),
-]
+    # accelerated decoding (issue 15): max_nfe and max_active_blocks have no upper bound
+    dict(max_tokens=4, steps=4, max_nfe=1),
+    dict(max_tokens=4, steps=4, max_nfe=HUGE),
+    dict(max_tokens=8, block_length=4, multi_block=True, block_add_threshold=0.0,
+         decoded_token_threshold=TINY, max_active_blocks=1),
+    dict(max_tokens=8, block_length=4, multi_block=True, block_add_threshold=1.0,
+         decoded_token_threshold=1.0, max_active_blocks=HUGE),
+    dict(max_tokens=8, block_length=4, multi_block=True, threshold=TINY, max_nfe=HUGE,
+         max_active_blocks=HUGE),
+    dict(max_tokens=8, block_length=4, multi_block=True, threshold=20.0, max_nfe=1,
+         seed=2**63 - 1, temperature=2.0),
+]  # fmt: skip
 EXTREME = {
     "llada": [
         *EXTREME_COMMON,
         dict(max_tokens=4, steps=4, cfg_scale=100.0),
         dict(max_tokens=4, steps=4, cfg_scale=100.0, temperature=2.0, seed=5),
+        # LLaDA-only accelerated rules: Fast-dLLM's factor, LocalLeap
+        dict(max_tokens=4, steps=4, factor=TINY),
+        dict(max_tokens=4, steps=4, factor=100.0, temperature=2.0, seed=11),
+        dict(
+            max_tokens=8,
+            steps=8,
+            block_length=4,
+            use_local_leap=True,
+            anchor_threshold=0.0,
+            neighbor_threshold=0.0,
+            leap_radius=16,
+        ),
+        dict(
+            max_tokens=8,
+            steps=8,
+            block_length=4,
+            algorithm="local_leap",
+            anchor_threshold=1.0,
+            neighbor_threshold=1.0,
+            leap_radius=1,
+            temperature=2.0,
+            seed=12,
+        ),
+        dict(
+            max_tokens=8,
+            block_length=4,
+            multi_block=True,
+            algorithm="factor",
+            factor=100.0,
+            max_active_blocks=HUGE,
+        ),
     ],
     "dream": [
         *EXTREME_COMMON,
@@ -85,6 +131,30 @@ def test_extreme_values_beside_good_requests(engine: Engine) -> None:
     for params, out in zip(extreme, outs[len(GOOD) :], strict=True):
         assert out.finished and out.error is None, (params, out.error)
         assert out.finish_reason in ("stop", "length"), params
+
+
+def _edges(param: Param) -> set[float]:
+    """The extreme accepted values of a numeric key: its bounds (TINY above an exclusive
+    minimum of 0, HUGE for no maximum)."""
+    assert param.minimum is not None, param.name
+    low = param.minimum + TINY if param.exclusive_minimum else param.minimum
+    return {low, HUGE if param.maximum is None else param.maximum}
+
+
+def test_extremes_cover_every_acceleration_key() -> None:
+    """Each numeric key of accelerated decoding runs at both ends of its range above (a key
+    added to the contract without extreme cases here fails this test)."""
+    numeric = [p for p in ACCELERATION_PARAMS if p.kind in (INT, FLOAT)]
+    assert numeric
+    sent: dict[str, set[float]] = {}
+    for case in (c for cases in EXTREME.values() for c in cases):
+        for key, value in case.items():
+            sent.setdefault(key, set()).add(value)
+    for param in numeric:
+        missing = _edges(param) - sent.get(param.name, set())
+        assert not missing, f"{param.name}: no extreme case for {missing}"
+        for value in _edges(param):
+            assert param.check(value) == value  # accepted, not clamped by the contract
 
 
 def test_non_finite_row_fails_alone(engine: Engine) -> None:
