@@ -55,13 +55,18 @@ class GraphCache:
         key: tuple,
         fn: Callable[[Inputs], torch.Tensor],
         inputs: Inputs,
-        row_pad: dict[str, int | float | bool],
+        row_pad: dict[str, int | float | bool] | None = None,
     ) -> torch.Tensor:
+        """Replay (capturing first) the graph of `fn` for these input shapes. With `row_pad`,
+        rows are padded to a row bucket with those values; without, the caller has padded
+        every input to its bucket already and the shapes are the key as they are."""
         rows = next(iter(inputs.values())).shape[0]
         full_key = (
             key,
-            bucket_rows(rows),
-            tuple((n, tuple(t.shape[1:])) for n, t in inputs.items()),
+            bucket_rows(rows) if row_pad is not None else None,
+            tuple(
+                (n, tuple(t.shape if row_pad is None else t.shape[1:])) for n, t in inputs.items()
+            ),
         )
         entry = self.graphs.get(full_key)
         if entry is None:
@@ -73,12 +78,14 @@ class GraphCache:
             if buf.shape[0] > rows:
                 buf[rows:].fill_(row_pad[name])
         entry.graph.replay()
-        return entry.out[:rows]
+        return entry.out[:rows] if row_pad is not None else entry.out
 
     def _capture(self, key: tuple, fn, inputs: Inputs, row_pad) -> _Captured:
         rows = key[1]
         static = {
             n: torch.full((rows, *t.shape[1:]), row_pad[n], dtype=t.dtype, device=self.device)
+            if row_pad is not None
+            else torch.empty_like(t)
             for n, t in inputs.items()
         }
         for n, t in inputs.items():

@@ -1,10 +1,11 @@
-"""Approximate KV caches for cached mode (Fast-dLLM's prefix and dual caches).
+"""The key/value pool of cached mode (Fast-dLLM's prefix and dual caches).
 
-A pool holds every cached row's keys and values per layer. At a block start a row runs a full
-forward that refreshes its whole cache (`RefreshKV`); inside the block only a span is
-recomputed (`SpanKV`): the block (dual cache) or the block and everything after it (prefix
-cache). The span's fresh keys/values replace the cached ones for that step; the rest is read
-from the cache, which is what makes the mode approximate.
+A pool holds every row's keys and values per layer while a step has cached rows. At a block
+start a cached row runs over its whole sequence and so refreshes its whole slot; inside the
+block only a span is recomputed: the block (dual cache) or the block and everything after it
+(prefix cache). The span's fresh keys/values overwrite that span of the slot; the rest is read
+from the cache, which is what makes the mode approximate. Exact rows in the same step write
+their whole sequence too, so they read only their own fresh keys (dlm_engine/ragged.py).
 
 The pool has one spare row and one spare position: padded rows and padded span positions
 write there, so they can never touch a live row.
@@ -13,8 +14,6 @@ write there, so they can never touch a live row.
 from __future__ import annotations
 
 import torch
-
-from .models.common import attention
 
 
 class KVPool:
@@ -60,37 +59,3 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-
-class RefreshKV:
-    """Full forward at a block start: attend exactly, store each row's keys/values."""
-
-    def __init__(self, pool: KVPool, slots: torch.Tensor) -> None:
-        self.pool = pool
-        self.slots = slots
-
-    def attend(self, layer: int, q, k, v, key_mask):
-        t = k.shape[2]
-        self.pool.k[layer][self.slots, :, :t] = k
-        self.pool.v[layer][self.slots, :, :t] = v
-        return attention(q, k, v, key_mask)
-
-
-class SpanKV:
-    """Forward over a span: fresh span keys/values over the cached rest of the row."""
-
-    def __init__(
-        self, pool: KVPool, slots: torch.Tensor, write_pos: torch.Tensor, cache_mask: torch.Tensor
-    ) -> None:
-        self.pool = pool
-        self.slots = slots  # [n]
-        self.write_pos = write_pos  # [n, S] absolute positions (trash position for padding)
-        self.cache_mask = cache_mask  # [n, length + 1]
-
-    def attend(self, layer: int, q, k, v, key_mask):
-        keys = self.pool.k[layer][self.slots]
-        values = self.pool.v[layer][self.slots]
-        idx = self.write_pos[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        keys.scatter_(2, idx, k)
-        values.scatter_(2, idx, v)
-        return attention(q, keys, values, self.cache_mask)

@@ -26,6 +26,25 @@ def test_one_step_per_block_equals_exact(engines: dict[str, Engine], name: str, 
     assert cached.token_ids == exact.token_ids
 
 
+def _mid_block_rows(eng: Engine, name: str, cache: str, tag: str) -> list[Sequence]:
+    """Rows of two lengths at the start of their second block (committed text before it)."""
+    seqs = []
+    for i, n in enumerate((24, 32)):
+        params = eng.resolve_params(dict(max_tokens=n, steps=n, block_length=8, cache=cache))
+        seq = Sequence(
+            f"{name}-{cache}-{tag}-{i}",
+            _prompt(eng, i),
+            params,
+            family=name,
+            mask_id=eng.mask_id,
+            device=eng.runner.device,
+        )
+        seq.block = 1
+        seq.tokens[seq.prompt_len : seq.window_start] = torch.arange(8) + 10
+        seqs.append(seq)
+    return seqs
+
+
 @pytest.mark.parametrize("name", ["llada", "dream"])
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_span_forward_on_fresh_cache_equals_full_forward(
@@ -33,34 +52,53 @@ def test_span_forward_on_fresh_cache_equals_full_forward(
 ) -> None:
     """Right after a refresh (tokens unchanged) the span forward reads exactly what a full
     forward would compute: same logits for the window, so positions, masks, shift and
-    cache writes line up."""
+    cache writes line up. Exact rows in a pooled step read only their own fresh keys."""
     eng = engines[name]
     runner = eng.runner
-    seqs = []
-    for i, n in enumerate((24, 32)):
-        params = eng.resolve_params(dict(max_tokens=n, steps=n, block_length=8, cache=cache))
-        seq = Sequence(
-            f"{name}-{cache}-{i}",
-            _prompt(eng, i),
-            params,
-            family=name,
-            mask_id=eng.mask_id,
-            device=runner.device,
-        )
-        seq.block = 1  # a block with committed text before it
-        seq.tokens[seq.prompt_len : seq.window_start] = torch.arange(8) + 10
-        seqs.append(seq)
-    runner._ensure_slots(seqs)
+    seqs = _mid_block_rows(eng, name, cache, "a")
+    exact_rows = _mid_block_rows(eng, name, "none", "b")
     try:
-        full, cur_full = runner._full_forward(seqs, 8, refresh=True)
-        span, cur_span = runner._span_forward(seqs, 8)
-        exact, _ = runner._full_forward(seqs, 8, refresh=False)
-    finally:
+        full, cur_full = runner._window_logits(seqs)  # step_in_block 0: refresh
         for s in seqs:
+            s.step_in_block = 1
+        span, cur_span = runner._window_logits(seqs)  # inside the block: span over the cache
+        exact, _ = runner._window_logits(exact_rows)  # no cached row: no pool
+        for s in seqs:  # the pooled exact rows beside the span rows
+            s.step_in_block = 0
+        both, _ = runner._window_logits(exact_rows + seqs)
+    finally:
+        for s in seqs + exact_rows:
             runner.release(s.request_id)
     torch.testing.assert_close(full, exact)
     torch.testing.assert_close(span, full, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(both, torch.cat([exact, full]))
     assert torch.equal(cur_full, cur_span)
+
+
+@pytest.mark.parametrize("name", ["llada", "dream"])
+def test_mixed_phase_step_is_one_forward(engines: dict[str, Engine], name: str) -> None:
+    """Exact rows, cached rows at a block start and cached rows inside a block go through the
+    model as one packed forward, and each row's logits equal its own forward alone."""
+    eng = engines[name]
+    runner = eng.runner
+    exact = _mid_block_rows(eng, name, "none", "x")[:1]
+    refresh = _mid_block_rows(eng, name, "dual", "r")[:1]
+    span = _mid_block_rows(eng, name, "prefix", "s")
+    try:
+        for s in span:  # refresh their caches, then step inside the block
+            runner._window_logits([s])
+            s.step_in_block = 1
+        alone = [runner._window_logits([s])[0] for s in exact + refresh + span]
+        for s in refresh:
+            s.step_in_block = 0
+        before = runner.forward_passes
+        mixed, _ = runner._window_logits(exact + refresh + span)
+        assert runner.forward_passes == before + 1
+    finally:
+        for s in exact + refresh + span:
+            runner.release(s.request_id)
+    for i, logits in enumerate(alone):
+        torch.testing.assert_close(mixed[i], logits[0], rtol=1e-4, atol=1e-4)
 
 
 def test_refreshes_once_per_block_and_frees_slots(engines: dict[str, Engine]) -> None:
