@@ -1,12 +1,14 @@
 """Pydantic models of the OpenAI API subset we serve, plus the diffusion extensions.
 
 Request models forbid unknown fields and reject OpenAI features a diffusion model cannot honour
-(logprobs, tools, response_format, penalties, ...) with a 400 naming the field, instead of
-silently ignoring them. Neutral values (`presence_penalty: 0`, `logprobs: false`, ...) that chat
-UIs send by default are accepted. OpenAI's own fields are typed strictly, as OpenAI does (no
-string-to-bool or string-to-number coercion). Every key of the request contract
-(`dlm_protocol.PARAMS`) is a field generated from it: its aliases, its check (the engine's own,
-so the message and field are the same over every surface) and its JSON schema for /docs.
+(logprobs, tools, penalties, ...) with a 400 naming the field, instead of silently ignoring
+them. Structured output (`response_format`, `regex`, `choice`, `grammar`) is supported: those
+are keys of the request contract, like the diffusion keys below. Neutral values
+(`presence_penalty: 0`, `logprobs: false`, ...) that chat UIs send by default are accepted.
+OpenAI's own fields are typed strictly, as OpenAI does (no string-to-bool or string-to-number
+coercion). Every key of the request contract (`dlm_protocol.PARAMS`) is a field generated from
+it: its aliases, its check (the engine's own, so the message and field are the same over every
+surface) and its JSON schema for /docs.
 """
 
 from __future__ import annotations
