@@ -43,6 +43,8 @@ class Chunk:
     canvas: list[str | None] | None = None
     forwards: int = 0  # forwards (NFE) used so far
     tokens_per_forward: float = 0.0
+    # with the `logprobs` key: one entry per token of `text` (dlm_protocol.response.LOGPROB_FIELDS)
+    logprobs: list[dict[str, Any]] | None = None
 
     @property
     def final(self) -> bool:
@@ -57,6 +59,7 @@ class Chunk:
             return value.decode("utf-8") if isinstance(value, bytes) else str(value or "")
 
         canvas = text(tensors.CANVAS.name)
+        logprobs = text(tensors.LOGPROBS.name)
         steps = int(get(tensors.STEPS.name) or 0)
         forwards = int(get(tensors.FORWARDS.name) or steps)
         completion = int(get(tensors.COMPLETION_TOKENS.name) or 0)
@@ -69,6 +72,7 @@ class Chunk:
             canvas=json.loads(canvas) if canvas else None,
             forwards=forwards,
             tokens_per_forward=tokens_per_forward(completion, forwards),
+            logprobs=json.loads(logprobs) if logprobs else None,
         )
 
 
@@ -82,6 +86,7 @@ class Completion:
     completion_tokens: int
     steps: int
     chunks: int = 1
+    logprobs: list[dict[str, Any]] | None = None  # the chunks' entries joined
 
     @property
     def forwards(self) -> int:
@@ -282,13 +287,16 @@ def _first(array: np.ndarray | None) -> Any:
 
 def _join(chunks: Iterator[Chunk]) -> Completion:
     parts, last, count = [], None, 0
+    logprobs: list[dict[str, Any]] | None = None
     for chunk in chunks:
         parts.append(chunk.text)
         last, count = chunk, count + 1
+        if chunk.logprobs is not None:
+            logprobs = (logprobs or []) + chunk.logprobs
     if last is None:
         raise DLMError("the stream ended without a response")
     return Completion("".join(parts), last.finish_reason, last.prompt_tokens,
-                      last.completion_tokens, last.steps, count)  # fmt: skip
+                      last.completion_tokens, last.steps, count, logprobs)  # fmt: skip
 
 
 def _error_message(error: Any) -> str:

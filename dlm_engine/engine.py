@@ -16,6 +16,7 @@ from typing import Any
 from dlm_protocol.response import CHAT_ROLES
 
 from .config import EngineConfig
+from .decoding.logprobs import LogprobStream, TokenTexts
 from .decoding.structured import StructuredOutput
 from .errors import InvalidRequestError
 from .loader import LoadedModel, load_checkpoint
@@ -58,6 +59,8 @@ class Engine:
             config.max_rows, config.max_queue, config.max_step_tokens, config.phase_wait_steps
         )
         self._texts: dict[str, StableText] = {}
+        self._logprobs: dict[str, LogprobStream] = {}  # issue 17: requests with `logprobs`
+        self._token_texts = TokenTexts(lm.tokenizer)
         self._aborted: list[str] = []
         self.total_forwards = 0
         self.last_step_rows = 0
@@ -188,6 +191,8 @@ class Engine:
         seq.constraint = self.structured.row_constraint(resolved)
         self.scheduler.add(seq)
         self._texts[request_id] = StableText(self.tokenizer, self.stop_ids, resolved.stop)
+        if resolved.logprobs is not None:
+            self._logprobs[request_id] = LogprobStream(self._token_texts)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -247,8 +252,13 @@ class Engine:
         canvas = self._canvas_strings(seq) if seq.params.stream_mode == "denoise" else None
         if not (update.delta or seq.finished or canvas is not None):
             return None
+        logprobs = None
+        stream = self._logprobs.get(seq.request_id)
+        if stream is not None:
+            logprobs = stream.release(seq, st.token_ids, st.sent, seq.finished)
         if seq.finished:
             del self._texts[seq.request_id]
+            self._logprobs.pop(seq.request_id, None)
         return RequestOutput(
             request_id=seq.request_id,
             text=st.sent,
@@ -261,6 +271,7 @@ class Engine:
             steps=seq.forwards,
             canvas=canvas,
             metrics=self._timing(seq, now),
+            logprobs=logprobs,
         )
 
     @staticmethod
@@ -295,6 +306,7 @@ class Engine:
         """The final output of a request ended early (aborted, or its row failed): the text
         already sent stands, nothing more is added."""
         st = self._texts.pop(seq.request_id)
+        self._logprobs.pop(seq.request_id, None)
         return RequestOutput(
             request_id=seq.request_id,
             text=st.sent,
@@ -316,6 +328,7 @@ class Engine:
             self.scheduler.remove(seq.request_id)
             self.runner.release(seq.request_id)
             self._texts.pop(seq.request_id, None)
+            self._logprobs.pop(seq.request_id, None)
             dropped.append((seq.request_id, seq.prompt_len))
         return dropped
 

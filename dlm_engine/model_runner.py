@@ -214,7 +214,12 @@ class ModelRunner:
             ConstrainedStep(self.constraint_runtime, seqs) if self.constraint_runtime else None
         )
         guard = RowGuard(len(seqs), dev)
+        from .decoding.logprobs import LogprobStep  # issue 17
+
+        logprobs = LogprobStep.build(seqs, dev)  # issue 17: only rows that ask
         logits, current = self._window_logits(seqs)
+        if logprobs:  # before anything below edits the logits in place
+            logprobs.capture(logits)
         if constrained:  # grammar rows: masks on the CPU while the forward runs, then in order
             constrained.prepare()
             forced = constrained.commit(logits, current)
@@ -239,6 +244,8 @@ class ModelRunner:
             s.tokens[s.window_start : s.window_start + w] = new[i, :w]
         host = torch.cat([new, ok[:, None].to(new.dtype)], dim=1).cpu().tolist()  # the one copy
         self.failed_rows = guard.messages([bool(row[-1]) for row in host])
+        if logprobs:
+            logprobs.record(new, current, ok, self.mask_id)
         return [host[i][: s.window_width] for i, s in enumerate(seqs)]
 
     def _sampled_positions(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from dlm_protocol.response import tokens_per_forward
 
@@ -23,6 +24,10 @@ class RequestOutput:
     canvas: list[str | None] | None = None
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # issue 17, requests with `logprobs`: one entry per completion token newly covered by this
+    # output's text (as `delta_text`; all remaining ones on the final output), each
+    # {token_id, token, bytes, logprob, step, top_logprobs} (dlm_protocol.response.LOGPROB_FIELDS)
+    logprobs: list[dict[str, Any]] | None = None
 
     @property
     def forwards(self) -> int:

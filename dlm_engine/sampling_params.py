@@ -103,6 +103,7 @@ class ResolvedParams:
     max_nfe: int | None = None
     accel: Acceleration = field(default_factory=lambda: Acceleration())
     constraint: Constraint | None = None  # issue 17: structure constraint (decoding/grammar.py)
+    logprobs: int | None = None  # issue 17: record committed tokens' logprobs, with N alternatives
 
     @property
     def num_blocks(self) -> int:
@@ -207,6 +208,7 @@ def resolve(
         constraint=parse_constraint(
             {k: coerce_constraint(k, getattr(p, k)) for k in CONSTRAINT_KEYS}
         ),
+        logprobs=p.logprobs,
     )
 
 

@@ -13,6 +13,7 @@ from .sampling_params import ResolvedParams
 
 if TYPE_CHECKING:
     from .decoding.constraints import RowConstraint
+    from .decoding.logprobs import TokenLogprob
 
 
 class Sequence:
@@ -57,6 +58,8 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.constraint: RowConstraint | None = None  # grammar matcher (decoding/constraints)
+        # issue 17: canvas position -> its committed token's logprob (rows with `logprobs`)
+        self.logprobs: dict[int, TokenLogprob] = {}
         self._llada_schedule = llada_block_schedule(params.block_length, params.steps_per_block)
         self._dream_schedule = DreamSchedule(params.steps_per_block)
         self.multi = (  # d3LLM multi-block decoding: several blocks in flight (issue 15)

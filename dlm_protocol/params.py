@@ -526,7 +526,25 @@ STRUCTURE_PARAMS = (
         shape=structure_shapes.non_empty_string,
     ),
 )
-PARAMS = PARAMS + ACCELERATION_PARAMS + STRUCTURE_PARAMS
+# ---- issue 17: log-probabilities of committed tokens (dlm_engine/decoding/logprobs.py) ----
+MAX_LOGPROBS = 20
+LOGPROB_PARAMS = (
+    Param(
+        "logprobs",
+        INT,
+        "Report each completion token's log-probability under the model's distribution at its "
+        "position in the step that committed it (logits / temperature, before top-p / top-k, "
+        "EOS suppression or grammar masks; temperature 0 reads as 1), the step, and this many "
+        "most likely alternatives (0 = the token alone). Absent = off (no cost).",
+        default_doc="none (off)",
+        minimum=0,
+        maximum=MAX_LOGPROBS,
+        relations="proxy: chat `logprobs: true` + `top_logprobs`, completions `logprobs: N`",
+        openai=True,
+        examples=(2, 21),
+    ),
+)
+PARAMS = PARAMS + ACCELERATION_PARAMS + STRUCTURE_PARAMS + LOGPROB_PARAMS
 
 BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
 # alias -> canonical name (canonical names map to themselves)

@@ -20,6 +20,20 @@ CHUNK_EXTRAS: dict[str, str] = {
     "steps": "forwards used so far",
 }
 
+# issue 17: one token's entry in the `logprobs` output (a JSON list per response); the proxy
+# turns it into OpenAI's per-token object and keeps `step` as an extra field.
+LOGPROB_FIELDS: dict[str, str] = {
+    "token_id": "the token's id",
+    "token": "the token's text",
+    "bytes": "the token's UTF-8 bytes (a list of integers)",
+    "logprob": "log-probability of the token under the model's distribution at its position, "
+    "in the step that committed it (logits / temperature; before top-p / top-k, EOS "
+    "suppression and grammar masks; temperature 0 reads as 1)",
+    "step": "the forward (1 = the request's first) that committed the token",
+    "top_logprobs": "the most likely tokens at that position in that step, most likely first "
+    "(`token_id`, `token`, `bytes`, `logprob`), as many as the request asked",
+}
+
 # Chat roles the engine's chat templates know; OpenAI's newer `developer` is `system`.
 CHAT_ROLES = ("system", "user", "assistant")
 ROLE_ALIASES = {"developer": "system"}

@@ -85,6 +85,15 @@ CANVAS = TensorSpec(
     '`denoise` mode: JSON list (token strings, `null` = masked); otherwise `""`',
 )
 
+# issue 17: only for requests with the `logprobs` key (dlm_protocol.response.LOGPROB_FIELDS)
+LOGPROBS = TensorSpec(
+    "logprobs",
+    "BYTES",
+    (1,),
+    "with the `logprobs` key: JSON list, one object per token of this response's text "
+    "(`token_id`, `token`, `bytes`, `logprob`, `step`, `top_logprobs`); otherwise `\"\"`",
+)
+
 OUTPUTS: tuple[TensorSpec, ...] = (
     TEXT_OUTPUT,
     FINISH_REASON,
@@ -94,6 +103,7 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     FORWARDS,
     TOKENS_PER_FORWARD,
     CANVAS,
+    LOGPROBS,
 )
 OUTPUT_NAMES: tuple[str, ...] = tuple(t.name for t in OUTPUTS)
 BY_NAME: dict[str, TensorSpec] = {t.name: t for t in (*INPUTS, *OUTPUTS)}

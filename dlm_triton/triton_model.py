@@ -57,6 +57,8 @@ class _Live:
     abort_sent: bool = False  # we aborted it (drain timeout)
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # issue 17: a non-streamed request's logprob entries, gathered for its one response
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _output_tensor(spec: tensors.TensorSpec, value: Any) -> Any:
@@ -252,8 +254,10 @@ class TritonPythonModel:
         if out.delta_text and live.first_text_at is None:
             live.first_text_at = time.monotonic()
             self.metrics.ttft.observe(live.first_text_at - live.t0)
+        if out.logprobs and not live.stream:
+            live.logprobs.extend(out.logprobs)
         if not out.finished:
-            if live.stream and (out.delta_text or out.canvas is not None):
+            if live.stream and (out.delta_text or out.canvas is not None or out.logprobs):
                 self._send(live, self._response(out.delta_text, "", out), final=False)
             return
         text = out.delta_text if live.stream else out.text
@@ -269,10 +273,15 @@ class TritonPythonModel:
         if live.cancel_requested:  # the client is gone: end the request without a payload
             self._send(live, None, final=True)
         else:
-            self._send(live, self._response(text or "", reason, out), final=True)
+            logprobs = out.logprobs if live.stream or out.logprobs is None else live.logprobs
+            self._send(live, self._response(text or "", reason, out, logprobs), final=True)
 
-    def _response(self, text: str, finish_reason: str, out: Any) -> Any:
+    def _response(
+        self, text: str, finish_reason: str, out: Any, logprobs: list | None = None
+    ) -> Any:
         canvas = json.dumps(out.canvas) if getattr(out, "canvas", None) is not None else ""
+        if logprobs is None:
+            logprobs = getattr(out, "logprobs", None)
         values = {
             tensors.TEXT_OUTPUT: text,
             tensors.FINISH_REASON: finish_reason,
@@ -282,6 +291,7 @@ class TritonPythonModel:
             tensors.FORWARDS: out.steps,
             tensors.TOKENS_PER_FORWARD: out.tokens_per_forward,
             tensors.CANVAS: canvas,
+            tensors.LOGPROBS: "" if logprobs is None else json.dumps(logprobs, ensure_ascii=False),
         }
         return pb_utils.InferenceResponse(
             output_tensors=[_output_tensor(spec, values[spec]) for spec in tensors.OUTPUTS]

@@ -53,6 +53,7 @@ class TritonEvent:
     canvas: list[str | None] | None = None
     final: bool = False
     forwards: int = 0  # forwards (NFE) used so far; 0 = not reported
+    logprobs: list[dict[str, Any]] | None = None  # entries for the tokens of `text` (issue 17)
 
 
 @dataclass
@@ -67,10 +68,13 @@ class ChoiceResult:
     completion_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     forwards: int = 0
+    logprobs: list[dict[str, Any]] | None = None
 
     def absorb(self, ev: TritonEvent) -> None:
         """Take one Triton response of this choice into the running totals."""
         self.text += ev.text
+        if ev.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + ev.logprobs
         self.prompt_tokens = ev.prompt_tokens or self.prompt_tokens
         self.completion_tokens = ev.completion_tokens or self.completion_tokens
         self.forwards = ev.forwards or self.forwards
@@ -101,6 +105,9 @@ def sampling_parameters(req: _RequestBase, choice: int, limits: ProxyConfig) -> 
     stops = req.stop_list()
     if stops:
         params["stop"] = stops
+    logprobs = req.logprobs_key()
+    if logprobs is not None:
+        params["logprobs"] = logprobs
     for key in DIFFUSION_KEYS:
         value = getattr(req, key)
         if value is not None:
@@ -215,7 +222,7 @@ def chat_response(
                 "index": r.index,
                 "message": {"role": "assistant", "content": r.text},
                 "finish_reason": openai_finish_reason(r.finish_reason),
-                "logprobs": None,
+                "logprobs": chat_logprobs(r.logprobs),
             }
             for r in results
         ],
@@ -238,9 +245,48 @@ def completion_response(
                 "index": r.index,
                 "text": r.text,
                 "finish_reason": openai_finish_reason(r.finish_reason),
-                "logprobs": None,
+                "logprobs": completion_logprobs(r.logprobs),
             }
             for r in results
         ],
         "usage": usage_of(results),
+    }
+
+
+# ---- issue 17: logprobs in OpenAI's shapes (entries: dlm_protocol.response.LOGPROB_FIELDS) ----
+
+
+def _top(entry: dict[str, Any]) -> dict[str, Any]:
+    return {"token": entry["token"], "logprob": entry["logprob"], "bytes": entry["bytes"]}
+
+
+def chat_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """Chat's `logprobs`: `content` holds OpenAI's per-token objects plus the `step` that
+    committed each token."""
+    if entries is None:
+        return None
+    content = [
+        {**_top(e), "top_logprobs": [_top(t) for t in e["top_logprobs"]], "step": e["step"]}
+        for e in entries
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    entries: list[dict[str, Any]] | None, offset: int = 0
+) -> dict[str, Any] | None:
+    """Completions' legacy `logprobs` (parallel lists) plus `steps`; `offset` is where this
+    piece's text starts in the choice's text (for streamed pieces)."""
+    if entries is None:
+        return None
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+        "steps": [e["step"] for e in entries],
     }

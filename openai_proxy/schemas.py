@@ -31,8 +31,14 @@ from pydantic import (
 from pydantic.json_schema import SkipJsonSchema
 
 from dlm_protocol import BY_NAME, PARAM_NAMES, PARAMS, InvalidRequestError, Param
-from dlm_protocol.params import conflict_reason
-from dlm_protocol.response import CHAT_ROLES, CHUNK_EXTRAS, ROLE_ALIASES, USAGE_EXTRAS
+from dlm_protocol.params import MAX_LOGPROBS, conflict_reason
+from dlm_protocol.response import (
+    CHAT_ROLES,
+    CHUNK_EXTRAS,
+    LOGPROB_FIELDS,
+    ROLE_ALIASES,
+    USAGE_EXTRAS,
+)
 
 # OpenAI's own fields that share a name with a contract alias (handled by the proxy itself).
 _OPENAI_OWN = frozenset({"max_completion_tokens"})
@@ -44,8 +50,6 @@ ALIASES: dict[str, tuple[str, ...]] = {
 
 # OpenAI fields we know but cannot honour. Value = the neutral values accepted silently.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
@@ -73,7 +77,9 @@ KEY_OF_ALIAS: dict[str, str] = {a: name for name, names in ALIASES.items() for a
 
 # Contract keys forwarded to Triton's `sampling_parameters` JSON as they are (the converters
 # handle max_tokens, seed and stop themselves: limits, seed + choice, string or list).
-DIFFUSION_KEYS = tuple(name for name in PARAM_NAMES if name not in ("max_tokens", "seed", "stop"))
+DIFFUSION_KEYS = tuple(
+    name for name in PARAM_NAMES if name not in ("max_tokens", "seed", "stop", "logprobs")
+)
 
 _Unsupported = SkipJsonSchema[Any]
 
@@ -142,8 +148,6 @@ class _RequestBase(_ContractFields):
     prompt_cache_key: str | None = Field(None, description="Accepted; not used.")
 
     # Known OpenAI fields we reject unless neutral (hidden from the schema; see the docs).
-    logprobs: _Unsupported = None
-    top_logprobs: _Unsupported = None
     tools: _Unsupported = None
     tool_choice: _Unsupported = None
     functions: _Unsupported = None
@@ -201,6 +205,11 @@ class _RequestBase(_ContractFields):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def logprobs_key(self) -> int | None:
+        """The contract's `logprobs` (alternatives per token; None = off). Completions send
+        OpenAI's `logprobs: N` as it is; chat maps `logprobs: true` + `top_logprobs`."""
+        return self.logprobs
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
@@ -296,6 +305,11 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+def _chat_logprobs(value: Any) -> Any:
+    """`true` / `false` as OpenAI's chat sends it, or the contract's count (checked by it)."""
+    return value if isinstance(value, bool) else _checked_as("logprobs")(value)
+
+
 class ChatCompletionRequest(_RequestBase):
     """POST /v1/chat/completions. The checkpoint's chat template is applied in Triton."""
 
@@ -318,6 +332,36 @@ class ChatCompletionRequest(_RequestBase):
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
+
+    # issue 17: OpenAI's chat `logprobs` is a boolean; the contract's count is accepted too
+    logprobs: Annotated[
+        Any,
+        BeforeValidator(_chat_logprobs),
+        WithJsonSchema(
+            {"anyOf": [{"type": "boolean"}, BY_NAME["logprobs"].json_schema()["anyOf"][0]]}
+        ),
+    ] = Field(
+        None,
+        description=BY_NAME["logprobs"].doc + " OpenAI's `true` (with `top_logprobs`) or the "
+        "count N; answered in `choices[].logprobs.content`, each token with its `step`.",
+    )
+    top_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Most likely alternatives per token (needs `logprobs: true`).",
+    )
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and self.logprobs is not True:
+            raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+        return self
+
+    def logprobs_key(self) -> int | None:
+        if self.logprobs is True:
+            return self.top_logprobs or 0
+        return None if self.logprobs is False else self.logprobs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -393,11 +437,39 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    """OpenAI's per-token object plus `step` (issue 17)."""
+
+    top_logprobs: list[TopLogprob]
+    step: int = Field(..., description=LOGPROB_FIELDS["step"])
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = Field(None, description=LOGPROB_FIELDS["logprob"])
+    refusal: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions shape plus `steps` (issue 17)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+    steps: list[int] = Field(..., description=LOGPROB_FIELDS["step"])
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -419,7 +491,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     canvas: list[str | None] | None = Field(
         None, description=f"stream_mode=denoise only: {CHUNK_EXTRAS['canvas']}."
     )
@@ -441,7 +513,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

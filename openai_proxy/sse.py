@@ -10,7 +10,15 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from .converters import ChoiceResult, TritonEvent, TritonJob, openai_finish_reason, usage_of
+from .converters import (
+    ChoiceResult,
+    TritonEvent,
+    TritonJob,
+    chat_logprobs,
+    completion_logprobs,
+    openai_finish_reason,
+    usage_of,
+)
 from .errors import ProxyError, ServiceUnavailable
 
 DONE = b"data: [DONE]\n\n"
@@ -51,6 +59,7 @@ class ChunkBuilder:
         finish_reason: str | None = None,
         role: bool = False,
         event: TritonEvent | None = None,
+        offset: int = 0,
     ) -> dict[str, Any]:
         if self.kind == "chat":
             delta: dict[str, Any] = {}
@@ -62,6 +71,12 @@ class ChunkBuilder:
         else:
             c = {"index": index, "text": text or ""}
         c["logprobs"] = None
+        if event is not None and event.logprobs is not None:  # the tokens of this piece
+            c["logprobs"] = (
+                chat_logprobs(event.logprobs)
+                if self.kind == "chat"
+                else completion_logprobs(event.logprobs, offset)
+            )
         c["finish_reason"] = finish_reason
         if event is not None and event.canvas is not None:
             c["canvas"] = event.canvas
@@ -95,8 +110,10 @@ async def stream_events(
         async for job, ev in events:
             r = results[job.choice_index]
             r.absorb(ev)
-            if ev.text or ev.canvas is not None:
-                yield builder.chunk([builder.choice(job.choice_index, ev.text, event=ev)])
+            if ev.text or ev.canvas is not None or ev.logprobs:
+                offset = len(r.text) - len(ev.text)
+                choice = builder.choice(job.choice_index, ev.text, event=ev, offset=offset)
+                yield builder.chunk([choice])
             if ev.final:
                 reason = openai_finish_reason(ev.finish_reason)
                 if reason is None:

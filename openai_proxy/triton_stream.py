@@ -135,6 +135,7 @@ def decode_result(result: InferResult) -> TritonEvent:
     """Decode the outputs of one Triton response (missing outputs read as empty)."""
     canvas_raw = _as_str(_first(result, tensors.CANVAS.name))
     canvas = json.loads(canvas_raw) if canvas_raw else None
+    logprobs_raw = _as_str(_first(result, tensors.LOGPROBS.name))
     reason = _as_str(_first(result, tensors.FINISH_REASON.name)) or None
 
     def num(name: str) -> int:
@@ -156,6 +157,7 @@ def decode_result(result: InferResult) -> TritonEvent:
         canvas=canvas,
         final=final,
         forwards=num(tensors.FORWARDS.name) or steps,
+        logprobs=json.loads(logprobs_raw) if logprobs_raw else None,
     )
 
 

@@ -86,8 +86,6 @@ def test_out_of_range_values_name_the_field(kw: dict[str, Any], field: str) -> N
 @pytest.mark.parametrize(
     "kw",
     [
-        {"logprobs": True},
-        {"top_logprobs": 3},
         {"tools": [{"type": "function", "function": {"name": "f"}}]},
         {"tool_choice": "required"},
         {"functions": [{"name": "f"}]},
@@ -196,7 +194,7 @@ def test_bad_completion_prompts(prompt: Any) -> None:
     assert len(errors) == 1 and errors[0]["loc"] == ("prompt",)
 
 
-@pytest.mark.parametrize("kw", [{"echo": True}, {"best_of": 3}, {"suffix": "x"}, {"logprobs": 2}])
+@pytest.mark.parametrize("kw", [{"echo": True}, {"best_of": 3}, {"suffix": "x"}])
 def test_completion_unsupported(kw: dict[str, Any]) -> None:
     with pytest.raises(ValidationError) as info:
         CompletionRequest.model_validate({"model": "m", "prompt": "p", **kw})
@@ -207,3 +205,30 @@ def test_completion_neutral_legacy_fields() -> None:
     CompletionRequest.model_validate(
         {"model": "m", "prompt": "p", "echo": False, "best_of": 1, "logprobs": None}
     )
+
+
+def test_logprobs_map_to_the_contract_key() -> None:
+    """Chat `logprobs: true` + `top_logprobs`, completions `logprobs: N` (issue 17)."""
+
+    def chat(**kw: Any) -> ChatCompletionRequest:
+        return ChatCompletionRequest.model_validate({**CHAT, **kw})
+
+    assert chat().logprobs_key() is None
+    assert chat(logprobs=False).logprobs_key() is None
+    assert chat(logprobs=False, top_logprobs=0).logprobs_key() is None
+    assert chat(logprobs=True).logprobs_key() == 0
+    assert chat(logprobs=True, top_logprobs=20).logprobs_key() == 20
+    assert chat(logprobs=4).logprobs_key() == 4  # the contract's count, as over Triton
+    done = CompletionRequest.model_validate({"model": "m", "prompt": "p", "logprobs": 5})
+    assert done.logprobs_key() == 5
+    for kw, field in (
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": "true"}, "logprobs"),
+    ):
+        with pytest.raises(ValidationError) as info:
+            chat(**kw)
+        assert field in str(info.value), kw
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "m", "prompt": "p", "logprobs": True})
