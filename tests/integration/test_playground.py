@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import openai
 import pytest
@@ -311,6 +312,101 @@ def test_html_in_messages_model_names_and_errors_renders_as_text(page: Any):
     assert XSS in page.locator("#panel-a .error").inner_text()
     assert page.locator("main img, main script").count() == 0
     assert page.evaluate("window.__xss") is None
+
+
+# Model output with markup: a script tag and an image whose error handler would run script.
+SCRIPT_TAG = "<script>window.__xss=1</script>"
+IMG_TAG = '<img src=x onerror="window.__xss=1">'
+HOSTILE_CANVAS = [SCRIPT_TAG, IMG_TAG, "<b>bold?</b>", "<|eot_id|>"]
+
+
+def hostile_denoise_stream() -> str:
+    """A denoise SSE stream in the proxy's own shapes (role chunk, one chunk per step with
+    `delta.content` = the new stable text and `canvas` / `steps`, finish, usage, [DONE]) whose
+    text and canvas frames are markup."""
+    base = {"id": "chatcmpl-xss", "object": "chat.completion.chunk", "created": 0,
+            "model": MODEL, "system_fingerprint": None, "usage": None}  # fmt: skip
+    first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}]}  # fmt: skip
+    chunks = [first]
+    order = [0, 2, 1, 3]  # commit order: position 2 before 1, so step 2 has no stable text
+    canvas: list[str | None] = [None] * len(HOSTILE_CANVAS)
+    sent = 0
+    for step, position in enumerate(order, start=1):
+        canvas[position] = HOSTILE_CANVAS[position]
+        stable = 0
+        while stable < len(canvas) and canvas[stable] is not None:
+            stable += 1
+        text = "".join(t for t in canvas[:stable] if t != "<|eot_id|>")
+        delta, sent = text[sent:], len(text)
+        chunks.append({**base, "choices": [{
+            "index": 0, "delta": {"content": delta}, "logprobs": None, "finish_reason": None,
+            "canvas": list(canvas), "steps": step}]})  # fmt: skip
+    chunks.append({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                        "finish_reason": "stop"}]})  # fmt: skip
+    usage = {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9, "forwards": 4,
+             "tokens_per_forward": 1.0}  # fmt: skip
+    chunks.append({**base, "choices": [], "usage": usage})
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+
+def test_markup_in_model_output_is_shown_as_text_and_nothing_leaves_the_origin(
+    browser: Any, proxy: ProxyProcess
+):
+    """The model's answer and canvas tokens are markup: the page shows them literally, creates
+    no element from them and runs none of them (the page's CSP would also block inline script;
+    the DOM checks catch an escaping bug that the CSP would hide). Every request the page makes
+    goes to the proxy's own origin."""
+    answer = "".join(t for t in HOSTILE_CANVAS if t != "<|eot_id|>")
+    origin = urlsplit(proxy.base_url)[:2]
+    requested: list[str] = []
+    asked: list[dict[str, Any]] = []
+
+    def answer_with_markup(route: Any) -> None:
+        asked.append(json.loads(route.request.post_data))
+        route.fulfill(
+            status=200,
+            headers={"content-type": "text/event-stream", "cache-control": "no-cache"},
+            body=hostile_denoise_stream(),
+        )
+
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    try:
+        pg = context.new_page()
+        pg.set_default_timeout(WAIT_MS)
+        errors: list[str] = []
+        pg.on("pageerror", lambda exc: errors.append(str(exc)))
+        pg.on("request", lambda request: requested.append(request.url))
+        pg.route("**/v1/chat/completions", answer_with_markup)
+        pg.goto(proxy.base_url + "/")
+        pg.wait_for_selector("body[data-ready=true]")
+        elements = "() => [document.querySelectorAll('img').length, document.scripts.length]"
+        before = pg.evaluate(elements)
+        fill_settings(pg, "a", {"max_tokens": len(HOSTILE_CANVAS), "steps": len(HOSTILE_CANVAS)})
+        send(pg, "Say something with HTML in it.")
+        wait_done(pg)
+
+        assert asked and asked[0]["stream_mode"] == "denoise" and asked[0]["stream"] is True
+        assert pg.locator("#panel-a .answer").inner_text() == answer
+        assert pg.locator("#history .msg.assistant .content").inner_text() == answer
+        cells = pg.locator("#panel-a .grid .cell")
+        assert cells.all_inner_texts() == HOSTILE_CANVAS
+        # Every frame redrawn from the slider shows the tokens as text too.
+        slider = pg.locator("#panel-a .slider")
+        for frame in range(1, int(slider.get_attribute("max")) + 1):
+            slider.fill(str(frame))
+            shown = [t for t in cells.all_inner_texts() if t != "?"]
+            assert set(shown) <= set(HOSTILE_CANVAS) and len(shown) == frame, (frame, shown)
+        pg.wait_for_timeout(500)  # time for an injected image's onerror to have fired
+        assert pg.evaluate(elements) == before  # no element made from the model's text
+        assert pg.evaluate("typeof window.__xss") == "undefined"
+        assert errors == []
+    finally:
+        context.close()
+    assert any(urlsplit(url).path.endswith("/v1/chat/completions") for url in requested)
+    assert any(urlsplit(url).path == "/v1/models" for url in requested)
+    foreign = [url for url in requested if urlsplit(url)[:2] != origin]
+    assert foreign == [], f"the page reached beyond {proxy.base_url}: {foreign}"
 
 
 def test_usable_at_phone_width(browser: Any, proxy: ProxyProcess, tmp_path: Path):
