@@ -98,10 +98,9 @@ def test_role_is_an_enum_of_the_protocol_roles(schema: dict[str, Any]) -> None:
     ("path", "body"),
     [
         ("/v1/chat/completions", {**CHAT, "steps": 0}),
-        ("/v1/chat/completions", {**CHAT, "logprobs": True}),
+        ("/v1/chat/completions", {**CHAT, "audio": {"voice": "alloy", "format": "wav"}}),
         ("/v1/chat/completions", {"model": "m"}),
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}),
-        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "x"}]}),
         ("/v1/completions", {**COMPLETION, "prompt": [[]]}),
         ("/v1/completions", {**COMPLETION, "temperature": "hot"}),
     ],
@@ -121,13 +120,19 @@ def test_invalid_json_is_the_documented_400(client: TestClient, schema: dict[str
     assert_documented(schema, "/v1/chat/completions", "post", resp)
 
 
-def test_every_enum_role_passes_validation(client: TestClient, schema: dict[str, Any]) -> None:
+def test_every_enum_role_is_accepted(client: TestClient, schema: dict[str, Any]) -> None:
+    """The schema lists no role the proxy refuses: a message of each gets past the role check
+    (503 here, Triton is down; a role that needs more fields may get a 400 naming another)."""
     roles = schema["components"]["schemas"]["ChatMessage"]["properties"]["role"]["enum"]
     for role in roles:
         messages = [{"role": role, "content": "x"}, {"role": "user", "content": "hi"}]
         resp = client.post("/v1/chat/completions", json={**CHAT, "messages": messages})
-        assert resp.status_code == 503, (role, resp.text)  # valid; Triton is down
+        assert resp.status_code in (400, 503), (role, resp.text)
         assert_documented(schema, "/v1/chat/completions", "post", resp)
+        if resp.status_code == 400:
+            assert resp.json()["error"]["param"] != "messages.0.role", (role, resp.text)
+    plain = [{"role": "user", "content": "hi"}]
+    assert client.post("/v1/chat/completions", json={**CHAT, "messages": plain}).status_code == 503
 
 
 def test_model_route_answers_are_documented(client: TestClient, schema: dict[str, Any]) -> None:
