@@ -84,13 +84,13 @@ class ModelRunner:
         with torch.inference_mode():
             return fn(inputs)
 
-    def _queries(self, seqs: list[Sequence], pooled: bool) -> list[RowQuery]:
+    def _queries(self, seqs: list[Sequence]) -> list[RowQuery]:
         """Each forward row's query: the whole sequence (exact rows, cached rows at a block
         start), or the span a cached row recomputes inside a block; then the unconditional
-        rows of classifier-free guidance (prompt masked)."""
+        rows of classifier-free guidance (prompt masked). Cached rows store their keys."""
         rows: list[RowQuery] = []
         for s in seqs:
-            slot = self.slots[s.request_id] if pooled else 0
+            slot = self.slots[s.request_id] if s.params.cache != "none" else None
             if s.params.cache == "none" or s.step_in_block == 0:
                 rows.append(RowQuery(s.tokens, 0, s.length, s.window_start, slot))
             else:
@@ -101,8 +101,7 @@ class ModelRunner:
             if s.params.cfg_scale > 0:
                 un = s.tokens.clone()
                 un[: s.prompt_len] = self.mask_id
-                slot = self.slots[_uncond(s.request_id)] if pooled else 0
-                rows.append(RowQuery(un, 0, s.length, s.window_start, slot))
+                rows.append(RowQuery(un, 0, s.length, s.window_start))
         return rows
 
     def _window_logits(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,13 +111,13 @@ class ModelRunner:
         if any(s.multi is not None for s in seqs):  # multi-block widths vary: bucket them
             width = round_up(width, self.length_multiple)
         cached = [s for s in seqs if s.params.cache != "none"]
-        if cached:  # every row of the step reads and writes keys through the pool
-            self._ensure_slots(seqs)
+        if cached:
+            self._ensure_slots(cached)
             self.refreshes += any(s.step_in_block == 0 for s in cached)
             self.span_steps += any(s.step_in_block > 0 for s in cached)
         pool = self.pool if cached else None
         plan = plan_packed(
-            self._queries(seqs, pooled=pool is not None),
+            self._queries(seqs),
             width=width,
             shift=self.shift,
             pad_id=self.pad_id,
@@ -127,16 +126,14 @@ class ModelRunner:
             bucket=self.graphs is not None,
             query_multiple=self.length_multiple,
         )
-        inputs = dict(plan.inputs)
-        current_index = inputs.pop("current_index")
         self.forward_passes += 1
         self.work["tokens"] += plan.tokens
         self.work["attn_pairs"] += plan.attn_pairs
         self.work["logit_positions"] += plan.rows * width
         fn = packed_forward_fn(self.model, pool, width)
-        logits = self._run(("packed", self._pool_id(), width), fn, inputs)[: plan.rows]
+        logits = self._run(("packed", self._pool_id(), width), fn, plan.inputs)[: plan.rows]
         b = len(seqs)
-        current = inputs["ids"][0][current_index[:b]]
+        current = plan.inputs["ids"][0][plan.current_index[:b]]
         cfg = [i for i, s in enumerate(seqs) if s.params.cfg_scale > 0]
         if cfg:
             sel = torch.tensor(cfg, device=self.device)
@@ -174,19 +171,14 @@ class ModelRunner:
             if self.graphs is not None:
                 self.graphs.clear()
         for s in seqs:
-            keys = (
-                [s.request_id, _uncond(s.request_id)] if s.params.cfg_scale > 0 else [s.request_id]
-            )
-            for key in keys:
-                if key not in self.slots:
-                    self.slots[key] = self.pool.allocate()
+            if s.request_id not in self.slots:
+                self.slots[s.request_id] = self.pool.allocate()
 
     def release(self, request_id: str) -> None:
-        """Give a finished or aborted request's cache rows back."""
-        for key in (request_id, _uncond(request_id)):
-            slot = self.slots.pop(key, None)
-            if slot is not None and self.pool is not None:
-                self.pool.release(slot)
+        """Give a finished or aborted request's cache row back."""
+        slot = self.slots.pop(request_id, None)
+        if slot is not None and self.pool is not None:
+            self.pool.release(slot)
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -283,8 +275,3 @@ class ModelRunner:
 
                 guard.run(i, by_alg_temp)
         return chosen
-
-
-def _uncond(request_id: str) -> str:
-    """The pool-slot key of a request's unconditional (classifier-free guidance) row."""
-    return f"{request_id}\x00uncond"

@@ -8,14 +8,16 @@ weight once per kind; here the query tokens of all rows are packed into one sequ
 linear layer runs once over exactly the tokens the step needs, and only attention, which has
 no weights, works per row:
 
-* packed q/k/v are gathered into a padded per-row layout ``[rows, heads, Tq, head_dim]``;
-* without cached rows each row attends over its own fresh keys (a key-padding mask);
-* with cached rows every row has a pool slot: its fresh keys and values are written at their
-  absolute positions (padding goes to the pool's spare position), and it attends over its slot
-  up to its length. An exact or refreshing row writes every position below its length, so it
-  reads only fresh keys (exact) and leaves a refreshed cache behind; a span row overwrites the
-  span it recomputes every step of the block and reads the cached rest (Fast-dLLM's
-  approximation, unchanged);
+* packed q/k/v are gathered into a padded per-row layout ``[rows, heads, Tq, head_dim]``,
+  one layout per attention group;
+* rows whose query is their whole sequence (exact rows, cached rows at a block start, the
+  unconditional rows of classifier-free guidance) attend over their own fresh keys with a
+  key-padding mask (none when nothing is padded, so the flash kernel applies); a cached row
+  among them also stores its keys and values in its pool slot (a refresh);
+* cached rows inside a block write their span's fresh keys and values into their slot at
+  their absolute positions (padding goes to the pool's spare position) and attend over the
+  slot up to their length: the span is overwritten every step of the block, the rest is the
+  cache (Fast-dLLM's approximation, unchanged);
 * the per-row outputs are gathered back into packed order.
 
 Index tensors are made on the host and copied before the forward is queued; the forward
@@ -36,13 +38,23 @@ from .models.common import attention
 @dataclass(frozen=True)
 class RowQuery:
     """What one forward row feeds and reads: its query tokens start at absolute position
-    `pos0`; its keys cover positions [0, length); its logit window starts at `window_start`."""
+    `pos0`; its keys cover positions [0, length); its logit window starts at `window_start`.
+    A row whose query is its whole sequence attends over its own fresh keys; a span row reads
+    the rest of its keys from its pool `slot`. `slot` is where fresh keys are stored (a cached
+    row's own slot, or None: not stored)."""
 
     tokens: torch.Tensor  # device, 1-D: the query tokens
     pos0: int
     length: int
     window_start: int
-    slot: int  # pool slot (cached steps), else unused
+    slot: int | None = None
+
+    @property
+    def span(self) -> bool:
+        return self.pos0 > 0 or self.tokens.numel() < self.length
+
+
+GROUPS = ("fresh", "span")  # attention groups: over own fresh keys, over the pool
 
 
 def packed_bucket(n: int) -> int:
@@ -54,47 +66,50 @@ def packed_bucket(n: int) -> int:
 
 
 class PackedAttention:
-    """The attention context of a packed forward (see the module docstring)."""
+    """The attention context of a packed forward (see the module docstring): per group, the
+    padded query index, an optional key mask, and optionally pool slots and write positions."""
 
-    def __init__(
-        self,
-        q_index: torch.Tensor,
-        out_index: torch.Tensor,
-        key_mask: torch.Tensor | None,
-        pool: KVPool | None = None,
-        slots: torch.Tensor | None = None,
-        write_pos: torch.Tensor | None = None,
-    ) -> None:
-        self.q_index = q_index  # [R, Tq] packed index of each padded query position
-        self.out_index = out_index  # [N] flat padded index of each packed token
-        self.key_mask = key_mask  # [R, Tq] (fresh keys) or [R, L + 1] (pool); None: no padding
+    def __init__(self, x: dict[str, torch.Tensor], pool: KVPool | None) -> None:
+        self.groups = [g for g in GROUPS if f"{g}_q_index" in x]
+        self.x = x
         self.pool = pool
-        self.slots = slots  # [R]
-        self.write_pos = write_pos  # [R, Tq] absolute positions (spare position for padding)
 
     def attend(self, layer: int, q, k, v, key_mask=None) -> torch.Tensor:
         """q [1, H, N, D], k/v [1, KV, N, D] packed -> attention output [1, H, N, D]."""
-        qp = q[0][:, self.q_index].transpose(0, 1)  # [R, H, Tq, D]
-        kp = k[0][:, self.q_index].transpose(0, 1)
-        vp = v[0][:, self.q_index].transpose(0, 1)
-        if self.pool is None:
-            out = attention(qp, kp, vp, self.key_mask)
-        else:
-            kc, vc = self.pool.k[layer], self.pool.v[layer]
-            heads = torch.arange(kp.shape[1], device=kp.device)
-            where = (self.slots[:, None, None], heads[None, :, None], self.write_pos[:, None, :])
-            kc[where] = kp
-            vc[where] = vp
-            out = attention(qp, kc[self.slots], vc[self.slots], self.key_mask)
-        r, h, tq, d = out.shape
-        return out.transpose(0, 1).reshape(h, r * tq, d)[:, self.out_index][None]
+        outs = []
+        for g in self.groups:
+            idx = self.x[f"{g}_q_index"]  # [Rg, Tg]
+            qp = q[0][:, idx].transpose(0, 1)  # [Rg, H, Tg, D]
+            kp = k[0][:, idx].transpose(0, 1)
+            vp = v[0][:, idx].transpose(0, 1)
+            mask = self.x.get(f"{g}_key_mask")
+            slots = self.x.get(f"{g}_slots")
+            if slots is not None:  # store fresh keys/values at their absolute positions
+                kc, vc = self.pool.k[layer], self.pool.v[layer]
+                heads = torch.arange(kp.shape[1], device=kp.device)
+                where = (
+                    slots[:, None, None],
+                    heads[None, :, None],
+                    self.x[f"{g}_write_pos"][:, None, :],
+                )
+                kc[where] = kp
+                vc[where] = vp
+            if g == "span":
+                out = attention(qp, self.pool.k[layer][slots], self.pool.v[layer][slots], mask)
+            else:
+                out = attention(qp, kp, vp, mask)
+            r, h, tq, d = out.shape
+            outs.append(out.transpose(0, 1).reshape(h, r * tq, d))
+        flat = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return flat[:, self.x["out_index"]][None]
 
 
 @dataclass
 class PackedPlan:
-    """Host-made index tensors of one packed forward, already padded to their buckets."""
+    """Index tensors of one packed forward, padded to their buckets, on the device."""
 
     inputs: dict[str, torch.Tensor]
+    current_index: torch.Tensor  # [rows, width] packed index of each row's window tokens
     rows: int  # real forward rows
     tokens: int  # real packed tokens
     attn_pairs: int  # (query, key) pairs attention computes for real rows
@@ -121,22 +136,58 @@ def plan_packed(
     qlens = torch.tensor([q.tokens.numel() for q in queries])
     offsets = torch.cumsum(qlens, 0) - qlens
     n_real = int(qlens.sum())
-    rows = bucket_rows(n_rows) if bucket else n_rows
-    tq = round_up(int(qlens.max()), query_multiple)
     n_packed = packed_bucket(n_real) if bucket else n_real
-    pad_rows = rows - n_rows
-
-    def padded(t: torch.Tensor, value: int) -> torch.Tensor:
-        return torch.cat([t, t.new_full((pad_rows, *t.shape[1:]), value)]) if pad_rows else t
-
+    tail = n_packed - n_real
     pos0 = torch.tensor([q.pos0 for q in queries])
-    ar = torch.arange(tq)
-    q_index = padded(offsets[:, None] + torch.minimum(ar[None, :], qlens[:, None] - 1), 0)
+    lengths = torch.tensor([q.length for q in queries])
+    inputs: dict[str, torch.Tensor] = {}
+    flat_of_row = torch.zeros(n_rows, dtype=torch.long)  # where each row's outputs start
+    base, attn_pairs = 0, 0
+    for g in GROUPS:
+        members = [i for i, q in enumerate(queries) if q.span == (g == "span")]
+        if not members:
+            continue
+        sel = torch.tensor(members)
+        gl = qlens[sel]
+        rows = bucket_rows(len(members)) if bucket else len(members)
+        pad = rows - len(members)
+        tq = round_up(int(gl.max()), query_multiple)
+        ar = torch.arange(tq)
+
+        def padded(t: torch.Tensor, value: int, pad: int = pad) -> torch.Tensor:
+            return torch.cat([t, t.new_full((pad, *t.shape[1:]), value)]) if pad else t
+
+        inputs[f"{g}_q_index"] = padded(offsets[sel, None] + torch.minimum(ar, gl[:, None] - 1), 0)
+        flat_of_row[sel] = base + torch.arange(len(members)) * tq
+        base += rows * tq
+        if g == "span":  # keys: the row's pool slot up to its length
+            keys = torch.arange(pool.length + 1)
+            mask = padded(keys[None, :] < lengths[sel, None], 0)
+            attn_pairs += int((gl * lengths[sel]).sum())
+        elif pad or bool((gl != tq).any()) or not bucket:
+            mask = padded(ar[None, :] < gl[:, None], 0)  # keys: its own fresh tokens
+            attn_pairs += int((gl * gl).sum())
+        else:  # no padding anywhere: unmasked attention (the flash kernel applies)
+            mask = None
+            attn_pairs += int((gl * gl).sum())
+        if mask is not None:
+            if pad:
+                mask[len(members) :, 0] = True
+            inputs[f"{g}_key_mask"] = mask
+        stored = [queries[i].slot for i in members]
+        if pool is not None and any(s is not None for s in stored):
+            trash = pool.trash_row
+            inputs[f"{g}_slots"] = padded(
+                torch.tensor([trash if s is None else s for s in stored]), trash
+            )
+            keep = torch.tensor([s is not None for s in stored])[:, None] & (ar < gl[:, None])
+            write = torch.where(keep, pos0[sel, None] + ar, pool.trash_pos)
+            inputs[f"{g}_write_pos"] = padded(write, pool.trash_pos)
     row_of = torch.repeat_interleave(torch.arange(n_rows), qlens)
     j_of = torch.arange(n_real) - offsets[row_of]
-    tail = n_packed - n_real
-    out_index = torch.cat([row_of * tq + j_of, torch.zeros(tail, dtype=torch.long)])
-    positions = torch.cat([pos0[row_of] + j_of, torch.zeros(tail, dtype=torch.long)])
+    zeros = torch.zeros(tail, dtype=torch.long)
+    inputs["out_index"] = torch.cat([flat_of_row[row_of] + j_of, zeros])
+    inputs["positions"] = torch.cat([pos0[row_of] + j_of, zeros])[None]
     wstart = torch.tensor([q.window_start for q in queries])
     w = torch.arange(width)
 
@@ -144,40 +195,20 @@ def plan_packed(
         rel = (wstart - delta - pos0)[:, None] + w[None, :]
         return offsets[:, None] + torch.minimum(rel.clamp(min=0), qlens[:, None] - 1)
 
-    logits_index = padded(window(shift), 0).reshape(1, -1)
-    current_index = window(0)
-    inputs = {
-        "positions": positions[None],
-        "q_index": q_index,
-        "out_index": out_index,
-        "logits_index": logits_index,
-    }
-    lengths = torch.tensor([q.length for q in queries])
-    if pool is None:
-        if bucket and pad_rows == 0 and bool((qlens == tq).all()):
-            pass  # no padding anywhere: attention runs unmasked (the flash kernel applies)
-        else:
-            inputs["key_mask"] = padded(ar[None, :] < qlens[:, None], 0)
-            if pad_rows:
-                inputs["key_mask"][n_rows:, 0] = True
-        attn_pairs = int((qlens * qlens).sum())
-    else:
-        keys = torch.arange(pool.length + 1)
-        key_mask = padded(keys[None, :] < lengths[:, None], 0)
-        if pad_rows:
-            key_mask[n_rows:, 0] = True
-        write = torch.where(ar[None, :] < qlens[:, None], pos0[:, None] + ar, pool.trash_pos)
-        inputs["key_mask"] = key_mask
-        inputs["write_pos"] = padded(write, pool.trash_pos)
-        inputs["slots"] = padded(torch.tensor([q.slot for q in queries]), pool.trash_row)
-        attn_pairs = int((qlens * lengths).sum())
+    logit_rows = bucket_rows(n_rows) if bucket else n_rows
+    logits_index = window(shift)
+    if logit_rows > n_rows:
+        logits_index = torch.cat(
+            [logits_index, logits_index.new_zeros((logit_rows - n_rows, width))]
+        )
+    inputs["logits_index"] = logits_index.reshape(1, -1)
     moved = {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
     ids = torch.cat([q.tokens for q in queries])
     if tail:
         ids = torch.cat([ids, ids.new_full((tail,), pad_id)])
     moved["ids"] = ids[None]
-    moved["current_index"] = current_index.to(device, non_blocking=True)
-    return PackedPlan(moved, n_rows, n_real, attn_pairs)
+    current = window(0).to(device, non_blocking=True)
+    return PackedPlan(moved, current, n_rows, n_real, attn_pairs)
 
 
 def packed_forward_fn(model: torch.nn.Module, pool: KVPool | None, width: int):
@@ -185,14 +216,7 @@ def packed_forward_fn(model: torch.nn.Module, pool: KVPool | None, width: int):
     from .models.common import ForwardBatch
 
     def fn(x: dict[str, torch.Tensor]) -> torch.Tensor:
-        ctx = PackedAttention(
-            x["q_index"],
-            x["out_index"],
-            x.get("key_mask"),
-            pool,
-            x.get("slots"),
-            x.get("write_pos"),
-        )
+        ctx = PackedAttention(x, pool)
         batch = ForwardBatch(x["ids"], x["positions"], None, x["logits_index"], ctx)
         logits = model(batch)
         return logits.reshape(-1, width, logits.shape[-1])
