@@ -45,6 +45,8 @@ class Chunk:
     tokens_per_forward: float = 0.0
     # with the `logprobs` key: one entry per token of `text` (dlm_protocol.response.LOGPROB_FIELDS)
     logprobs: list[dict[str, Any]] | None = None
+    # with `tools`, on the last chunk: the calls in OpenAI's shape (finish_reason `tool_calls`)
+    tool_calls: list[dict[str, Any]] | None = None
 
     @property
     def final(self) -> bool:
@@ -60,6 +62,7 @@ class Chunk:
 
         canvas = text(tensors.CANVAS.name)
         logprobs = text(tensors.LOGPROBS.name)
+        tool_calls = text(tensors.TOOL_CALLS.name)
         steps = int(get(tensors.STEPS.name) or 0)
         forwards = int(get(tensors.FORWARDS.name) or steps)
         completion = int(get(tensors.COMPLETION_TOKENS.name) or 0)
@@ -73,6 +76,7 @@ class Chunk:
             forwards=forwards,
             tokens_per_forward=tokens_per_forward(completion, forwards),
             logprobs=json.loads(logprobs) if logprobs else None,
+            tool_calls=json.loads(tool_calls) if tool_calls else None,
         )
 
 
@@ -87,6 +91,7 @@ class Completion:
     steps: int
     chunks: int = 1
     logprobs: list[dict[str, Any]] | None = None  # the chunks' entries joined
+    tool_calls: list[dict[str, Any]] | None = None  # the last chunk's
 
     @property
     def forwards(self) -> int:
@@ -296,7 +301,8 @@ def _join(chunks: Iterator[Chunk]) -> Completion:
     if last is None:
         raise DLMError("the stream ended without a response")
     return Completion("".join(parts), last.finish_reason, last.prompt_tokens,
-                      last.completion_tokens, last.steps, count, logprobs)  # fmt: skip
+                      last.completion_tokens, last.steps, count, logprobs,
+                      last.tool_calls)  # fmt: skip
 
 
 def _error_message(error: Any) -> str:

@@ -8,12 +8,13 @@ or at the end of their canvas.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from dlm_protocol.response import CHAT_ROLES
+from dlm_protocol.response import CHAT_ROLES, FINISH_TOOL_CALLS
 
 from .config import EngineConfig
 from .decoding.logprobs import LogprobStream, TokenTexts
@@ -27,6 +28,7 @@ from .sampling_params import ResolvedParams, SamplingParams, resolve
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .text import StableText
+from .tools import ToolCallText, ToolSpec, prompt_messages, template_has_tools
 
 
 class Engine:
@@ -61,6 +63,8 @@ class Engine:
         self._texts: dict[str, StableText] = {}
         self._logprobs: dict[str, LogprobStream] = {}  # issue 17: requests with `logprobs`
         self._token_texts = TokenTexts(lm.tokenizer)
+        self._tool_texts: dict[str, ToolCallText] = {}  # issue 17: requests with tools
+        self._template_tools = template_has_tools(lm.tokenizer)
         self._aborted: list[str] = []
         self.total_forwards = 0
         self.last_step_rows = 0
@@ -75,8 +79,10 @@ class Engine:
         text: str | None = None,
         messages: list[dict[str, Any]] | None = None,
         input_ids: list[int] | None = None,
+        tools: ToolSpec | None = None,
     ) -> list[int]:
-        """Prompt token ids from exactly one of: raw text, chat messages, token ids."""
+        """Prompt token ids from exactly one of: raw text, chat messages, token ids. `tools`
+        (a resolved request's `params.tools`) go into the chat template with the messages."""
         given = [
             n
             for n, v in (("text_input", text), ("messages", messages), ("input_ids", input_ids))
@@ -89,7 +95,7 @@ class Engine:
         size = prompt_bytes(text, messages)  # before tokenizing: a len(), not seconds
         check_prompt_bytes(size, self.prompt_byte_cap, self.config.max_prompt, given[0])
         if messages is not None:
-            ids = self._encode_messages(messages)
+            ids = self._encode_messages(messages, tools)
         elif text is not None:
             if not isinstance(text, str):
                 raise InvalidRequestError("text_input", "must be a string")
@@ -111,27 +117,37 @@ class Engine:
             )
         return ids
 
-    def _encode_messages(self, messages: Any) -> list[int]:
+    def _encode_messages(self, messages: Any, tools: ToolSpec | None = None) -> list[int]:
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages", "must be a non-empty list")
         for i, m in enumerate(messages):
+            calls = m.get("tool_calls") if isinstance(m, dict) else None
+            content = m.get("content") if isinstance(m, dict) else None
             if (
                 not isinstance(m, dict)
                 or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)
+                or not (isinstance(content, str) or (content is None and calls))
             ):
                 raise InvalidRequestError(
                     "messages", f"message {i} needs string 'role' and 'content'"
                 )
             if m["role"] not in CHAT_ROLES:
                 raise InvalidRequestError("messages", f"message {i} has unknown role {m['role']!r}")
-            if self.mask_token and self.mask_token in m["content"]:
+            if calls is not None and (m["role"] != "assistant" or not _valid_calls(calls)):
+                raise InvalidRequestError(
+                    "messages",
+                    f"message {i}: tool_calls belong to assistant messages, each "
+                    "{function: {name, arguments}}",
+                )
+            texts = [content or ""] + [json.dumps(c) for c in calls or ()]
+            if self.mask_token and any(self.mask_token in t for t in texts):
                 raise InvalidRequestError(
                     "messages", f"message {i} contains the mask token {self.mask_token}"
                 )
+        messages, tool_list = prompt_messages(messages, tools, self._template_tools)
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+                messages, tools=tool_list, add_generation_prompt=True, tokenize=False
             )
         except Exception as exc:  # template errors are the request's fault, not the server's
             raise InvalidRequestError("messages", f"chat template failed: {exc}") from None
@@ -191,6 +207,8 @@ class Engine:
         seq.constraint = self.structured.row_constraint(resolved)
         self.scheduler.add(seq)
         self._texts[request_id] = StableText(self.tokenizer, self.stop_ids, resolved.stop)
+        if resolved.tools is not None:
+            self._tool_texts[request_id] = ToolCallText(resolved.tools)
         if resolved.logprobs is not None:
             self._logprobs[request_id] = LogprobStream(self._token_texts)
         return request_id
@@ -247,10 +265,17 @@ class Engine:
         if update.finished:
             seq.finished = True
             seq.finish_reason = update.finish_reason
-        if update.delta and seq.first_token_time is None:
+        delta, text, tool_calls = update.delta, st.sent, None
+        tool_text = self._tool_texts.get(seq.request_id)
+        if tool_text is not None:  # content stops where a tool call may begin
+            delta, tool_calls = tool_text.update(st.sent, seq.finished)
+            text = tool_text.sent
+            if tool_calls and seq.finish_reason in ("stop", "length"):
+                seq.finish_reason = FINISH_TOOL_CALLS
+        if delta and seq.first_token_time is None:
             seq.first_token_time = now
         canvas = self._canvas_strings(seq) if seq.params.stream_mode == "denoise" else None
-        if not (update.delta or seq.finished or canvas is not None):
+        if not (delta or seq.finished or canvas is not None):
             return None
         logprobs = None
         stream = self._logprobs.get(seq.request_id)
@@ -259,10 +284,11 @@ class Engine:
         if seq.finished:
             del self._texts[seq.request_id]
             self._logprobs.pop(seq.request_id, None)
+            self._tool_texts.pop(seq.request_id, None)
         return RequestOutput(
             request_id=seq.request_id,
-            text=st.sent,
-            delta_text=update.delta,
+            text=text,
+            delta_text=delta,
             token_ids=list(st.token_ids),
             finished=seq.finished,
             finish_reason=seq.finish_reason,
@@ -272,6 +298,7 @@ class Engine:
             canvas=canvas,
             metrics=self._timing(seq, now),
             logprobs=logprobs,
+            tool_calls=tool_calls,
         )
 
     @staticmethod
@@ -307,9 +334,10 @@ class Engine:
         already sent stands, nothing more is added."""
         st = self._texts.pop(seq.request_id)
         self._logprobs.pop(seq.request_id, None)
+        tool_text = self._tool_texts.pop(seq.request_id, None)
         return RequestOutput(
             request_id=seq.request_id,
-            text=st.sent,
+            text=st.sent if tool_text is None else tool_text.sent,
             delta_text="",
             token_ids=list(st.token_ids),
             finished=True,
@@ -329,6 +357,7 @@ class Engine:
             self.runner.release(seq.request_id)
             self._texts.pop(seq.request_id, None)
             self._logprobs.pop(seq.request_id, None)
+            self._tool_texts.pop(seq.request_id, None)
             dropped.append((seq.request_id, seq.prompt_len))
         return dropped
 
@@ -352,3 +381,14 @@ class Engine:
         ids = [self.add_request(None, p, sp) for p, sp in zip(prompts, plist, strict=False)]
         final = {o.request_id: o for o in self.outputs() if o.finished}
         return [final[i] for i in ids]
+
+
+def _valid_calls(calls: Any) -> bool:
+    """OpenAI's assistant `tool_calls`: [{id?, type?, function: {name, arguments}}]."""
+    return isinstance(calls, list) and all(
+        isinstance(c, dict)
+        and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments", "{}"), str | dict)
+        for c in calls
+    )

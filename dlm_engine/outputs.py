@@ -28,6 +28,9 @@ class RequestOutput:
     # output's text (as `delta_text`; all remaining ones on the final output), each
     # {token_id, token, bytes, logprob, step, top_logprobs} (dlm_protocol.response.LOGPROB_FIELDS)
     logprobs: list[dict[str, Any]] | None = None
+    # issue 17, requests with tools: on the final output, the calls in OpenAI's shape
+    # ({id, type: function, function: {name, arguments}}); `finish_reason` is then `tool_calls`
+    tool_calls: list[dict[str, Any]] | None = None
 
     @property
     def forwards(self) -> int:

@@ -26,6 +26,7 @@ from dlm_protocol.params import (
 from .decoding.grammar import CONSTRAINT_KEYS, Constraint, parse_constraint
 from .decoding.grammar import coerce_value as coerce_constraint
 from .errors import InvalidRequestError
+from .tools import ToolSpec, resolve_tools, tool_constraint
 
 __all__ = [
     "ALGORITHMS",
@@ -104,6 +105,7 @@ class ResolvedParams:
     accel: Acceleration = field(default_factory=lambda: Acceleration())
     constraint: Constraint | None = None  # issue 17: structure constraint (decoding/grammar.py)
     logprobs: int | None = None  # issue 17: record committed tokens' logprobs, with N alternatives
+    tools: ToolSpec | None = None  # issue 17: tool calling (tools.py); None also for `none`
 
     @property
     def num_blocks(self) -> int:
@@ -187,6 +189,7 @@ def resolve(
         )
     if p.cache != "none" and p.cfg_scale > 0:
         raise InvalidRequestError("cache", "cached mode cannot be combined with cfg_scale")
+    tools = resolve_tools(p.tools, p.tool_choice, p.parallel_tool_calls)
     return ResolvedParams(
         max_tokens=max_tokens,
         steps=steps,
@@ -205,11 +208,23 @@ def resolve(
         cache=p.cache,
         max_nfe=p.max_nfe,
         accel=resolve_acceleration(p, family=family, algorithm=algorithm, threshold=threshold),
-        constraint=parse_constraint(
-            {k: coerce_constraint(k, getattr(p, k)) for k in CONSTRAINT_KEYS}
-        ),
+        constraint=_constraint(p, tools),
         logprobs=p.logprobs,
+        tools=tools,
     )
+
+
+def _constraint(p: SamplingParams, tools: ToolSpec | None) -> Constraint | None:
+    """The request's structure constraint, or the tool-call grammar of `tool_choice`
+    `required` / a named function (issue 17); not both."""
+    constraint = parse_constraint({k: coerce_constraint(k, getattr(p, k)) for k in CONSTRAINT_KEYS})
+    if tools is None or not tools.constrained:
+        return constraint
+    if constraint is not None:
+        raise InvalidRequestError(
+            "tool_choice", f"{tools.choice} cannot be combined with {constraint.field}"
+        )
+    return tool_constraint(tools)
 
 
 # ==== issue 15: accelerated decoding — LocalLeap (dlmserve 0.1.1, arXiv 2510.07081), d3LLM

@@ -32,11 +32,39 @@ LLADA_CHAT_TEMPLATE = (
     "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
+# Dream's template is Qwen2.5's: with `tools` the system turn lists them and teaches the
+# <tool_call> format; assistant calls and tool results (<tool_response>) are rendered too.
+# Without tools and tool messages the text is the plain ChatML of before.
 DREAM_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
+    "{% if tools %}<|im_start|>system{{ '\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{% else %}You are a helpful assistant.{% endif %}"
+    "{{ '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "' }}"
+    "{% elif messages[0]['role'] != 'system' %}"
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first and tools %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "<|im_start|>assistant"
+    "{% if message['content'] %}{{ '\n' + message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '\n<tool_call>\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{{ call['function']['arguments'] | tojson }}{{ '}\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "<|im_start|>user{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{ '<|im_end|>\n' }}{% endif %}"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 

@@ -544,7 +544,45 @@ LOGPROB_PARAMS = (
         examples=(2, 21),
     ),
 )
-PARAMS = PARAMS + ACCELERATION_PARAMS + STRUCTURE_PARAMS + LOGPROB_PARAMS
+# ---- issue 17: tool calls (dlm_engine/tools.py: the chat template, the constraint, parsing) ----
+TOOL_PARAMS = (
+    Param(
+        "tools",
+        JSON,
+        "OpenAI's function tools [{type: function, function: {name, description, parameters}}]: "
+        "given to the model through the checkpoint's chat template (or a system message when "
+        "the template has no tools); calls come back as `tool_calls`.",
+        openai=True,
+        examples=(
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "f",
+        ),
+        shape=structure_shapes.tools,
+    ),
+    Param(
+        "tool_choice",
+        JSON,
+        "`none` (no tools), `auto` (the model may call), `required` (at least one call) or "
+        "{type: function, function: {name}} (that call); `required` and a named function "
+        "constrain the output so the arguments parse and validate against the parameters' schema.",
+        default_doc="`auto` with tools",
+        relations="`required` or a function need `tools`; not with `response_format`, "
+        "`regex`, `choice` or `grammar`",
+        openai=True,
+        examples=("none", "sometimes"),
+        shape=structure_shapes.tool_choice,
+    ),
+    Param(
+        "parallel_tool_calls",
+        BOOL,
+        "Allow several calls in one answer (`false`: at most one).",
+        default=True,
+        default_doc="`true`",
+        openai=True,
+        examples=(False, "yes"),
+    ),
+)
+PARAMS = PARAMS + ACCELERATION_PARAMS + STRUCTURE_PARAMS + LOGPROB_PARAMS + TOOL_PARAMS
 
 BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
 # alias -> canonical name (canonical names map to themselves)

@@ -6,7 +6,8 @@ from __future__ import annotations
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
-OPENAI_FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH)
+FINISH_TOOL_CALLS = "tool_calls"  # issue 17: the answer is tool calls (`tool_calls` output)
+OPENAI_FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_TOOL_CALLS)
 
 # Extra fields of OpenAI's `usage` object (non-streaming bodies and the include_usage chunk).
 USAGE_EXTRAS: dict[str, str] = {
@@ -35,7 +36,9 @@ LOGPROB_FIELDS: dict[str, str] = {
 }
 
 # Chat roles the engine's chat templates know; OpenAI's newer `developer` is `system`.
-CHAT_ROLES = ("system", "user", "assistant")
+# `tool` (issue 17): a tool's result, with `tool_call_id`; an assistant message may carry
+# `tool_calls` (OpenAI's shape) instead of content.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}
 
 

@@ -31,3 +31,49 @@ def string_list(value: Any) -> str | None:
     if not isinstance(value, list) or not value or not all(isinstance(s, str) for s in value):
         return "must be a non-empty list of strings"
     return None
+
+
+# ---- issue 17: tool calling (OpenAI's `tools` and `tool_choice`; the engine checks the rest) ----
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+def _json_value(value: Any) -> Any:
+    """Triton request parameters carry only scalars: an object or list may come as its JSON."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def tools(value: Any) -> str | None:
+    """A list of {type: function, function: {name, description?, parameters?}}."""
+    value = _json_value(value)
+    if not isinstance(value, list):
+        return "must be a list of {type: function, function: {name, parameters}}"
+    for i, tool in enumerate(value):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+            return f"[{i}] must be {{type: function, function: {{name, parameters}}}}"
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            return f"[{i}].function.name must be a non-empty string"
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            return f"[{i}].function.parameters must be a JSON schema object"
+    return None
+
+
+def tool_choice(value: Any) -> str | None:
+    """`none`, `auto`, `required`, or {type: function, function: {name}}."""
+    value = _json_value(value) if isinstance(value, str) and value[:1] == "{" else value
+    if isinstance(value, str):
+        return None if value in TOOL_CHOICES else _TOOL_CHOICE_REASON
+    fn = value.get("function") if isinstance(value, dict) else None
+    if not isinstance(fn, dict) or value.get("type") != "function":
+        return _TOOL_CHOICE_REASON
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        return "function.name must be a non-empty string"
+    return None
+
+
+_TOOL_CHOICE_REASON = "must be one of none, auto, required, or {type: function, function: {name}}"

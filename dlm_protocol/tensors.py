@@ -42,7 +42,8 @@ MESSAGES = TensorSpec(
     "messages",
     "BYTES",
     (1,),
-    "JSON list of chat messages `{role, content}` (roles: system, user, assistant); the "
+    "JSON list of chat messages `{role, content}` (roles: system, user, assistant, tool; an "
+    "assistant message may carry OpenAI's `tool_calls`, a tool message its `tool_call_id`); the "
     "checkpoint's chat template is applied",
 )
 INPUT_IDS = TensorSpec("input_ids", "INT64", (-1,), "prompt token ids, used as given")
@@ -65,7 +66,7 @@ FINISH_REASON = TensorSpec(
     "finish_reason",
     "BYTES",
     (1,),
-    '`""` until the last response, then `stop`, `length` or `abort`',
+    '`""` until the last response, then `stop`, `length`, `tool_calls` or `abort`',
 )
 PROMPT_TOKENS = TensorSpec("prompt_tokens", "INT32", (1,), "prompt length in tokens")
 COMPLETION_TOKENS = TensorSpec(
@@ -91,7 +92,17 @@ LOGPROBS = TensorSpec(
     "BYTES",
     (1,),
     "with the `logprobs` key: JSON list, one object per token of this response's text "
-    "(`token_id`, `token`, `bytes`, `logprob`, `step`, `top_logprobs`); otherwise `\"\"`",
+    '(`token_id`, `token`, `bytes`, `logprob`, `step`, `top_logprobs`); otherwise `""`',
+)
+
+# issue 17: requests with `tools` (dlm_engine/tools.py)
+TOOL_CALLS = TensorSpec(
+    "tool_calls",
+    "BYTES",
+    (1,),
+    "with `tools`, on the last response: JSON list of OpenAI tool calls "
+    '(`{id, type: "function", function: {name, arguments}}`, arguments a JSON string) when the '
+    'model called tools (`finish_reason` `tool_calls`); otherwise `""`',
 )
 
 OUTPUTS: tuple[TensorSpec, ...] = (
@@ -104,6 +115,7 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     TOKENS_PER_FORWARD,
     CANVAS,
     LOGPROBS,
+    TOOL_CALLS,
 )
 OUTPUT_NAMES: tuple[str, ...] = tuple(t.name for t in OUTPUTS)
 BY_NAME: dict[str, TensorSpec] = {t.name: t for t in (*INPUTS, *OUTPUTS)}

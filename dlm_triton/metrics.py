@@ -14,7 +14,7 @@ LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 ROWS_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
 STEPS_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 TOKENS_PER_FORWARD_BUCKETS = [0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 16, 32]
-OUTCOMES = ("stop", "length", "abort", "error", "invalid", "overloaded")
+OUTCOMES = ("stop", "length", "tool_calls", "abort", "error", "invalid", "overloaded")
 
 
 class Metrics:

@@ -193,7 +193,7 @@ class TritonPythonModel:
             parsed = parse_request(inputs, request.parameters())
             params = self.engine.resolve_params(SamplingParams.from_dict(parsed.sampling))
             prompt_ids = self.engine.encode_prompt(
-                **{_ENCODE_KW[parsed.prompt_kind]: parsed.prompt}
+                **{_ENCODE_KW[parsed.prompt_kind]: parsed.prompt}, tools=params.tools
             )
         except (RequestError, InvalidRequestError) as exc:
             return self._reject(sender, str(exc), "invalid")
@@ -292,6 +292,9 @@ class TritonPythonModel:
             tensors.TOKENS_PER_FORWARD: out.tokens_per_forward,
             tensors.CANVAS: canvas,
             tensors.LOGPROBS: "" if logprobs is None else json.dumps(logprobs, ensure_ascii=False),
+            tensors.TOOL_CALLS: json.dumps(out.tool_calls, ensure_ascii=False)
+            if getattr(out, "tool_calls", None)
+            else "",
         }
         return pb_utils.InferenceResponse(
             output_tensors=[_output_tensor(spec, values[spec]) for spec in tensors.OUTPUTS]

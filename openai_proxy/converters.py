@@ -54,6 +54,7 @@ class TritonEvent:
     final: bool = False
     forwards: int = 0  # forwards (NFE) used so far; 0 = not reported
     logprobs: list[dict[str, Any]] | None = None  # entries for the tokens of `text` (issue 17)
+    tool_calls: list[dict[str, Any]] | None = None  # on the final event, with tools (issue 17)
 
 
 @dataclass
@@ -69,12 +70,15 @@ class ChoiceResult:
     extra: dict[str, Any] = field(default_factory=dict)
     forwards: int = 0
     logprobs: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     def absorb(self, ev: TritonEvent) -> None:
         """Take one Triton response of this choice into the running totals."""
         self.text += ev.text
         if ev.logprobs is not None:
             self.logprobs = (self.logprobs or []) + ev.logprobs
+        if ev.tool_calls:
+            self.tool_calls = ev.tool_calls
         self.prompt_tokens = ev.prompt_tokens or self.prompt_tokens
         self.completion_tokens = ev.completion_tokens or self.completion_tokens
         self.forwards = ev.forwards or self.forwards
@@ -138,7 +142,12 @@ def messages_json(req: ChatCompletionRequest) -> str:
     out = []
     for m in req.messages:
         role = ROLE_ALIASES.get(m.role, m.role)
-        out.append({"role": role, "content": m.text()})
+        msg: dict[str, Any] = {"role": role, "content": m.text()}
+        if m.tool_calls:  # issue 17: an assistant's calls and the tool results go back
+            msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
     return json.dumps(out, ensure_ascii=False)
 
 
@@ -220,7 +229,7 @@ def chat_response(
         "choices": [
             {
                 "index": r.index,
-                "message": {"role": "assistant", "content": r.text},
+                "message": assistant_message(r),
                 "finish_reason": openai_finish_reason(r.finish_reason),
                 "logprobs": chat_logprobs(r.logprobs),
             }
@@ -290,3 +299,11 @@ def completion_logprobs(
         "text_offset": offsets,
         "steps": [e["step"] for e in entries],
     }
+
+
+def assistant_message(r: ChoiceResult) -> dict[str, Any]:
+    """The answer's message; with tool calls, `tool_calls` and the text before them (null when
+    there is none), as OpenAI answers (issue 17)."""
+    if not r.tool_calls:
+        return {"role": "assistant", "content": r.text}
+    return {"role": "assistant", "content": r.text or None, "tool_calls": r.tool_calls}

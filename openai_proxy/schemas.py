@@ -1,10 +1,12 @@
 """Pydantic models of the OpenAI API subset we serve, plus the diffusion extensions.
 
 Request models forbid unknown fields and reject OpenAI features a diffusion model cannot honour
-(logprobs, tools, penalties, ...) with a 400 naming the field, instead of silently ignoring
-them. Structured output (`response_format`, `regex`, `choice`, `grammar`) is supported: those
-are keys of the request contract, like the diffusion keys below. Neutral values
-(`presence_penalty: 0`, `logprobs: false`, ...) that chat UIs send by default are accepted.
+(penalties, logit_bias, audio, ...) with a 400 naming the field, instead of silently ignoring
+them. Structured output (`response_format`, `regex`, `choice`, `grammar`), `logprobs` and tool
+calls (`tools`, `tool_choice`, `parallel_tool_calls`) are supported: those are keys of the
+request contract, like the diffusion keys below (chat's boolean `logprobs` + `top_logprobs` map
+onto the contract's count). Neutral values (`presence_penalty: 0`, ...) that chat UIs send by
+default are accepted.
 OpenAI's own fields are typed strictly, as OpenAI does (no string-to-bool or string-to-number
 coercion). Every key of the request contract (`dlm_protocol.PARAMS`) is a field generated from
 it: its aliases, its check (the engine's own, so the message and field are the same over every
@@ -50,11 +52,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
 
 # OpenAI fields we know but cannot honour. Value = the neutral values accepted silently.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "parallel_tool_calls": (None, False, True),
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
@@ -148,11 +147,8 @@ class _RequestBase(_ContractFields):
     prompt_cache_key: str | None = Field(None, description="Accepted; not used.")
 
     # Known OpenAI fields we reject unless neutral (hidden from the schema; see the docs).
-    tools: _Unsupported = None
-    tool_choice: _Unsupported = None
     functions: _Unsupported = None
     function_call: _Unsupported = None
-    parallel_tool_calls: _Unsupported = None
     logit_bias: _Unsupported = None
     presence_penalty: _Unsupported = None
     frequency_penalty: _Unsupported = None
@@ -256,28 +252,51 @@ class TextContentPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(..., min_length=1)
+    arguments: str = Field(..., description="The arguments as a JSON string.")
+
+
+class ToolCall(BaseModel):
+    """OpenAI's tool call (an assistant message's `tool_calls`, and the answer's)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
-    """An OpenAI chat message; content is a string or a list of text parts."""
+    """An OpenAI chat message; content is a string or a list of text parts. An assistant
+    message may carry `tool_calls` (and no content); a `tool` message answers one call."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    # The schema lists the accepted roles; the validator below gives `tool` its own message.
+    # The schema lists the accepted roles; the validator below gives `function` its own message.
     role: str = Field(
         ...,
         description=f"{', '.join(OPENAI_ROLES)} (`developer` = `system`).",
         json_schema_extra={"enum": list(OPENAI_ROLES)},
     )
-    content: str | list[TextContentPart] = Field(
-        ..., description="Text, or a list of {type: text, text} parts."
-    )
     name: str | None = None
-    tool_calls: SkipJsonSchema[Any] = None
+    tool_calls: list[ToolCall] | None = Field(
+        None, description="assistant: the tool calls it made (issue 17)."
+    )
+    tool_call_id: str | None = Field(None, description="tool: the call this result answers.")
+    # after role and tool_calls, so its check sees them
+    content: str | list[TextContentPart] | None = Field(
+        None,
+        description="Text, or a list of {type: text, text} parts (null: an assistant message "
+        "with tool_calls).",
+        validate_default=True,
+    )
 
     @field_validator("role")
     @classmethod
     def _check_role(cls, value: str) -> str:
-        if value in ("tool", "function"):
-            raise ValueError(f"'{value}' messages are not supported (no tool calling)")
+        if value == "function":
+            raise ValueError("'function' messages are OpenAI's deprecated form; send 'tool'")
         if value not in OPENAI_ROLES:
             raise ValueError(f"role must be one of {', '.join(OPENAI_ROLES)}")
         return value
@@ -292,15 +311,20 @@ class ChatMessage(BaseModel):
                     raise ValueError(f"content part type {kind!r} is not supported; only 'text'")
         return value
 
-    @field_validator("tool_calls")
+    @field_validator("content", mode="after")
     @classmethod
-    def _no_tool_calls(cls, value: Any) -> Any:
-        if value:
-            raise ValueError("tool_calls are not supported")
+    def _content_or_calls(cls, value: Any, info: ValidationInfo) -> Any:
+        role, calls = info.data.get("role"), info.data.get("tool_calls")
+        if calls and role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if value is None and not (role == "assistant" and calls):
+            raise ValueError("is required (null only for an assistant's tool_calls)")
+        if role == "tool" and not info.data.get("tool_call_id"):
+            raise ValueError("a tool message needs tool_call_id")
         return value
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
 
@@ -410,6 +434,13 @@ class CompletionRequest(_RequestBase):
     def _reject_unsupported_completion(cls, value: Any, info: ValidationInfo) -> Any:
         return _check_unsupported(info.field_name or "", value)
 
+    @field_validator("tools", "tool_choice", mode="after")
+    @classmethod
+    def _tools_are_chat_only(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, [], "none", "auto"):
+            raise ValueError(f"'{info.field_name}' is a chat completions field")
+        return value
+
     def prompts(self) -> list[str | list[int]]:
         """Normalise the four accepted shapes to a list of single prompts."""
         p = self.prompt
@@ -434,7 +465,10 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(
+        None, description="With `tools`: the calls the model made (`finish_reason` `tool_calls`)."
+    )
 
 
 class TopLogprob(BaseModel):
@@ -468,7 +502,7 @@ class CompletionLogprobs(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     logprobs: ChatLogprobs | None = None
 
 
@@ -482,15 +516,22 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class ChunkToolCall(ToolCall):
+    index: int
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ChunkToolCall] | None = Field(
+        None, description="With `tools`: every call whole, in one chunk before the last."
+    )
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     logprobs: ChatLogprobs | None = None
     canvas: list[str | None] | None = Field(
         None, description=f"stream_mode=denoise only: {CHUNK_EXTRAS['canvas']}."

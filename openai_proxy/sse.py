@@ -83,6 +83,11 @@ class ChunkBuilder:
             c["steps"] = event.steps
         return c
 
+    def tool_calls(self, index: int, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        """A chat choice whose delta carries the answer's tool calls, each with its index."""
+        delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+
     def chunk(self, choices: list[dict[str, Any]]) -> bytes:
         return encode(self._chunk(choices))
 
@@ -121,6 +126,8 @@ async def stream_events(
                         f"generation ended by the server ({ev.finish_reason or 'no reason'})"
                     )
                 r.finish_reason = reason
+                if ev.tool_calls and builder.kind == "chat":  # issue 17: every call whole
+                    yield builder.chunk([builder.tool_calls(job.choice_index, ev.tool_calls)])
                 text = None if builder.kind == "chat" else ""
                 yield builder.chunk([builder.choice(job.choice_index, text, reason)])
     except ProxyError as err:

@@ -86,8 +86,6 @@ def test_out_of_range_values_name_the_field(kw: dict[str, Any], field: str) -> N
 @pytest.mark.parametrize(
     "kw",
     [
-        {"tools": [{"type": "function", "function": {"name": "f"}}]},
-        {"tool_choice": "required"},
         {"functions": [{"name": "f"}]},
         {"logit_bias": {"42": 5}},
         {"presence_penalty": 0.5},
@@ -150,8 +148,16 @@ def test_stop_strings() -> None:
 
 def test_messages_validation() -> None:
     assert chat_error(messages=[])[0] == ("messages",)
-    loc, msg = chat_error(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}])
+    loc, msg = chat_error(messages=[{"role": "function", "content": "x", "name": "f"}])
     assert loc == ("messages", 0, "role") and "tool" in msg
+    # issue 17: tool results and assistant calls
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    req = chat(messages=[{"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "content": "x", "tool_call_id": "c1"}])  # fmt: skip
+    assert req.messages[0].tool_calls[0].function.name == "f"
+    assert chat_error(messages=[{"role": "tool", "content": "x"}])[0] == ("messages", 0, "content")
+    loc, msg = chat_error(messages=[{"role": "user", "content": "x", "tool_calls": [call]}])
+    assert loc == ("messages", 0, "content") and "assistant" in msg
     loc, msg = chat_error(messages=[{"role": "wizard", "content": "x"}])
     assert "role must be one of" in msg
     image = {"type": "image_url", "image_url": {"url": "http://x"}}
