@@ -281,8 +281,8 @@ def test_accelerated_decoding_fields_pass_through(oai: openai.OpenAI, model: str
 
 def test_unsupported_openai_fields_are_400(oai: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        oai.chat.completions.create(model=model, messages=MSG, logprobs=True)
-    assert info.value.param == "logprobs"
+        oai.chat.completions.create(model=model, messages=MSG, presence_penalty=0.5)
+    assert info.value.param == "presence_penalty"
     with pytest.raises(openai.BadRequestError) as info:  # supported (issue 17), but not "xml"
         oai.chat.completions.create(model=model, messages=MSG, response_format={"type": "xml"})
     assert (info.value.param or "").startswith("response_format")

@@ -94,8 +94,10 @@ def malformed_cases(model: str) -> list[tuple[str, str, Any, int]]:
         ("POST", C, c(max_tokens=0), 400),
         ("POST", C, c(max_tokens=10**7), 400),
         ("POST", C, c(seed=-5), 400),
-        ("POST", C, c(logprobs=True), 400),
-        ("POST", C, c(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
+        ("POST", C, c(logprobs=21), 400),
+        ("POST", C, c(top_logprobs=2), 400),  # needs logprobs: true
+        ("POST", C, c(tools=[{"type": "function"}]), 400),
+        ("POST", C, c(tool_choice="required"), 400),  # needs tools
         ("POST", C, c(response_format={"type": "xml"}), 400),
         ("POST", C, c(presence_penalty=1.0), 400),
         ("POST", C, c(temprature=0.5), 400),
