@@ -130,8 +130,9 @@ class ModelRunner:
         self.work["tokens"] += plan.tokens
         self.work["attn_pairs"] += plan.attn_pairs
         self.work["logit_positions"] += plan.rows * width
-        fn = packed_forward_fn(self.model, pool, width)
-        logits = self._run(("packed", self._pool_id(), width), fn, plan.inputs)[: plan.rows]
+        fn = packed_forward_fn(self.model, pool, width, plan.layout)
+        key = ("packed", self._pool_id(), width, plan.layout)
+        logits = self._run(key, fn, plan.inputs)[: plan.rows]
         b = len(seqs)
         current = plan.inputs["ids"][0][plan.current_index[:b]]
         cfg = [i for i, s in enumerate(seqs) if s.params.cfg_scale > 0]

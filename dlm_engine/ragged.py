@@ -65,43 +65,45 @@ def packed_bucket(n: int) -> int:
     return -(-n // step) * step
 
 
-class PackedAttention:
-    """The attention context of a packed forward (see the module docstring): per group, the
-    padded query index, an optional key mask, and optionally pool slots and write positions."""
+Layout = tuple[tuple[str, int, int, bool], ...]  # per group: name, rows, Tq, identity
 
-    def __init__(self, x: dict[str, torch.Tensor], pool: KVPool | None) -> None:
-        self.groups = [g for g in GROUPS if f"{g}_q_index" in x]
+
+class PackedAttention:
+    """The attention context of a packed forward (see the module docstring). Per group of the
+    layout: its padded query index (none when the packed order is already the padded one), an
+    optional key mask, and optionally pool slots and write positions."""
+
+    def __init__(self, x: dict[str, torch.Tensor], pool: KVPool | None, layout: Layout) -> None:
         self.x = x
         self.pool = pool
+        self.layout = layout
 
     def attend(self, layer: int, q, k, v, key_mask=None) -> torch.Tensor:
         """q [1, H, N, D], k/v [1, KV, N, D] packed -> attention output [1, H, N, D]."""
+        qt, kt, vt = (t[0].transpose(0, 1) for t in (q, k, v))  # token-major [N, heads, D]
         outs = []
-        for g in self.groups:
-            idx = self.x[f"{g}_q_index"]  # [Rg, Tg]
-            qp = q[0][:, idx].transpose(0, 1)  # [Rg, H, Tg, D]
-            kp = k[0][:, idx].transpose(0, 1)
-            vp = v[0][:, idx].transpose(0, 1)
-            mask = self.x.get(f"{g}_key_mask")
+        for g, rows, tq, identity in self.layout:
+            if identity:  # packed order is the padded order: views, no gather
+                qp, kp, vp = (t.reshape(rows, tq, *t.shape[1:]) for t in (qt, kt, vt))
+            else:
+                idx = self.x[f"{g}_q_index"]  # [rows, Tq]
+                qp, kp, vp = qt[idx], kt[idx], vt[idx]  # [rows, Tq, heads, D]
             slots = self.x.get(f"{g}_slots")
             if slots is not None:  # store fresh keys/values at their absolute positions
-                kc, vc = self.pool.k[layer], self.pool.v[layer]
-                heads = torch.arange(kp.shape[1], device=kp.device)
-                where = (
-                    slots[:, None, None],
-                    heads[None, :, None],
-                    self.x[f"{g}_write_pos"][:, None, :],
-                )
-                kc[where] = kp
-                vc[where] = vp
-            if g == "span":
-                out = attention(qp, self.pool.k[layer][slots], self.pool.v[layer][slots], mask)
+                where = (slots[:, None], slice(None), self.x[f"{g}_write_pos"])
+                self.pool.k[layer][where] = kp
+                self.pool.v[layer][where] = vp
+            mask = self.x.get(f"{g}_key_mask")
+            if g == "span":  # over the slot: the span just written, the cache around it
+                keys, values = self.pool.k[layer][slots], self.pool.v[layer][slots]
             else:
-                out = attention(qp, kp, vp, mask)
-            r, h, tq, d = out.shape
-            outs.append(out.transpose(0, 1).reshape(h, r * tq, d))
-        flat = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        return flat[:, self.x["out_index"]][None]
+                keys, values = kp.transpose(1, 2), vp.transpose(1, 2)
+            out = attention(qp.transpose(1, 2), keys, values, mask)  # [rows, H, Tq, D]
+            outs.append(out.transpose(1, 2).reshape(rows * tq, out.shape[1], out.shape[3]))
+        flat = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if "out_index" in self.x:
+            flat = flat[self.x["out_index"]]
+        return flat[None].transpose(1, 2)
 
 
 @dataclass
@@ -110,6 +112,7 @@ class PackedPlan:
 
     inputs: dict[str, torch.Tensor]
     current_index: torch.Tensor  # [rows, width] packed index of each row's window tokens
+    layout: Layout
     rows: int  # real forward rows
     tokens: int  # real packed tokens
     attn_pairs: int  # (query, key) pairs attention computes for real rows
@@ -143,8 +146,10 @@ def plan_packed(
     inputs: dict[str, torch.Tensor] = {}
     flat_of_row = torch.zeros(n_rows, dtype=torch.long)  # where each row's outputs start
     base, attn_pairs = 0, 0
+    layout: list[tuple[str, int, int, bool]] = []
+    kinds = [q.span for q in queries]
     for g in GROUPS:
-        members = [i for i, q in enumerate(queries) if q.span == (g == "span")]
+        members = [i for i, span in enumerate(kinds) if span == (g == "span")]
         if not members:
             continue
         sel = torch.tensor(members)
@@ -153,11 +158,15 @@ def plan_packed(
         pad = rows - len(members)
         tq = round_up(int(gl.max()), query_multiple)
         ar = torch.arange(tq)
+        identity = len(set(kinds)) == 1 and not pad and not tail and bool((gl == tq).all())
+        layout.append((g, rows, tq, identity))
 
         def padded(t: torch.Tensor, value: int, pad: int = pad) -> torch.Tensor:
             return torch.cat([t, t.new_full((pad, *t.shape[1:]), value)]) if pad else t
 
-        inputs[f"{g}_q_index"] = padded(offsets[sel, None] + torch.minimum(ar, gl[:, None] - 1), 0)
+        if not identity:
+            q_index = offsets[sel, None] + torch.minimum(ar, gl[:, None] - 1)
+            inputs[f"{g}_q_index"] = padded(q_index, 0)
         flat_of_row[sel] = base + torch.arange(len(members)) * tq
         base += rows * tq
         if g == "span":  # keys: the row's pool slot up to its length
@@ -183,10 +192,12 @@ def plan_packed(
             keep = torch.tensor([s is not None for s in stored])[:, None] & (ar < gl[:, None])
             write = torch.where(keep, pos0[sel, None] + ar, pool.trash_pos)
             inputs[f"{g}_write_pos"] = padded(write, pool.trash_pos)
-    row_of = torch.repeat_interleave(torch.arange(n_rows), qlens)
-    j_of = torch.arange(n_real) - offsets[row_of]
+    token = torch.arange(n_real)
+    row_of = torch.searchsorted(offsets[1:], token, right=True)  # repeat_interleave is slow
+    j_of = token - offsets[row_of]
     zeros = torch.zeros(tail, dtype=torch.long)
-    inputs["out_index"] = torch.cat([flat_of_row[row_of] + j_of, zeros])
+    if not all(identity for *_, identity in layout):
+        inputs["out_index"] = torch.cat([flat_of_row[row_of] + j_of, zeros])
     inputs["positions"] = torch.cat([pos0[row_of] + j_of, zeros])[None]
     wstart = torch.tensor([q.window_start for q in queries])
     w = torch.arange(width)
@@ -208,15 +219,15 @@ def plan_packed(
         ids = torch.cat([ids, ids.new_full((tail,), pad_id)])
     moved["ids"] = ids[None]
     current = window(0).to(device, non_blocking=True)
-    return PackedPlan(moved, current, n_rows, n_real, attn_pairs)
+    return PackedPlan(moved, current, tuple(layout), n_rows, n_real, attn_pairs)
 
 
-def packed_forward_fn(model: torch.nn.Module, pool: KVPool | None, width: int):
+def packed_forward_fn(model: torch.nn.Module, pool: KVPool | None, width: int, layout: Layout):
     """The forward of a packed plan: logits [rows, width, vocab] (graph-capturable)."""
     from .models.common import ForwardBatch
 
     def fn(x: dict[str, torch.Tensor]) -> torch.Tensor:
-        ctx = PackedAttention(x, pool)
+        ctx = PackedAttention(x, pool, layout)
         batch = ForwardBatch(x["ids"], x["positions"], None, x["logits_index"], ctx)
         logits = model(batch)
         return logits.reshape(-1, width, logits.shape[-1])
