@@ -17,7 +17,9 @@ import torch
 
 
 class KVPool:
-    """Per-layer K/V buffers [rows + 1, kv_heads, length + 1, head_dim]."""
+    """Per-layer K/V buffers [rows + 1, length + 1, kv_heads, head_dim]: position-major, as
+    the packed forward produces keys (token-major), so a row's span is written by one indexed
+    copy and a slot is read as [length + 1, kv_heads, head_dim]."""
 
     def __init__(
         self,
@@ -29,7 +31,7 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (rows + 1, kv_heads, length + 1, head_dim)
+        shape = (rows + 1, length + 1, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.rows = rows
@@ -47,12 +49,12 @@ class KVPool:
 
     def grown(self, length: int) -> KVPool:
         """A pool for longer rows holding this pool's contents (graphs must be recaptured)."""
-        kv_heads, head_dim = self.k[0].shape[1], self.k[0].shape[3]
+        kv_heads, head_dim = self.k[0].shape[2], self.k[0].shape[3]
         new = KVPool(
             len(self.k), self.rows, kv_heads, head_dim, length, self.k[0].dtype, self.k[0].device
         )
         for old, fresh in zip(self.k + self.v, new.k + new.v, strict=False):
-            fresh[:, :, : self.length].copy_(old[:, :, : self.length])
+            fresh[:, : self.length].copy_(old[:, : self.length])
         new.free = list(self.free)
         return new
 

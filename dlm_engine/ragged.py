@@ -90,14 +90,15 @@ class PackedAttention:
                 qp, kp, vp = qt[idx], kt[idx], vt[idx]  # [rows, Tq, heads, D]
             slots = self.x.get(f"{g}_slots")
             if slots is not None:  # store fresh keys/values at their absolute positions
-                where = (slots[:, None], slice(None), self.x[f"{g}_write_pos"])
+                where = (slots[:, None], self.x[f"{g}_write_pos"])
                 self.pool.k[layer][where] = kp
                 self.pool.v[layer][where] = vp
             mask = self.x.get(f"{g}_key_mask")
             if g == "span":  # over the slot: the span just written, the cache around it
                 keys, values = self.pool.k[layer][slots], self.pool.v[layer][slots]
             else:
-                keys, values = kp.transpose(1, 2), vp.transpose(1, 2)
+                keys, values = kp, vp
+            keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [rows, KV, S, D]
             out = attention(qp.transpose(1, 2), keys, values, mask)  # [rows, H, Tq, D]
             outs.append(out.transpose(1, 2).reshape(rows * tq, out.shape[1], out.shape[3]))
         flat = outs[0] if len(outs) == 1 else torch.cat(outs)

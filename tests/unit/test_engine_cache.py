@@ -117,8 +117,8 @@ def test_refreshes_once_per_block_and_frees_slots(engines: dict[str, Engine]) ->
     a = eng.loaded.model.arch
     assert k0.shape == (
         eng.config.max_rows + 1,
-        a.n_kv_heads,
         r.pool.length + 1,
+        a.n_kv_heads,
         a.d_model // a.n_heads,
     )
 
