@@ -47,6 +47,8 @@ class Chunk:
     logprobs: list[dict[str, Any]] | None = None
     # with `tools`, on the last chunk: the calls in OpenAI's shape (finish_reason `tool_calls`)
     tool_calls: list[dict[str, Any]] | None = None
+    # with `score`, on the last chunk: {log_likelihood, variance, mc_samples, tokens}
+    score: dict[str, Any] | None = None
 
     @property
     def final(self) -> bool:
@@ -63,6 +65,7 @@ class Chunk:
         canvas = text(tensors.CANVAS.name)
         logprobs = text(tensors.LOGPROBS.name)
         tool_calls = text(tensors.TOOL_CALLS.name)
+        score = text(tensors.SCORE.name)
         steps = int(get(tensors.STEPS.name) or 0)
         forwards = int(get(tensors.FORWARDS.name) or steps)
         completion = int(get(tensors.COMPLETION_TOKENS.name) or 0)
@@ -77,6 +80,7 @@ class Chunk:
             tokens_per_forward=tokens_per_forward(completion, forwards),
             logprobs=json.loads(logprobs) if logprobs else None,
             tool_calls=json.loads(tool_calls) if tool_calls else None,
+            score=json.loads(score) if score else None,
         )
 
 
@@ -92,6 +96,7 @@ class Completion:
     chunks: int = 1
     logprobs: list[dict[str, Any]] | None = None  # the chunks' entries joined
     tool_calls: list[dict[str, Any]] | None = None  # the last chunk's
+    score: dict[str, Any] | None = None  # the last chunk's (scoring requests)
 
     @property
     def forwards(self) -> int:
@@ -302,7 +307,7 @@ def _join(chunks: Iterator[Chunk]) -> Completion:
         raise DLMError("the stream ended without a response")
     return Completion("".join(parts), last.finish_reason, last.prompt_tokens,
                       last.completion_tokens, last.steps, count, logprobs,
-                      last.tool_calls)  # fmt: skip
+                      last.tool_calls, last.score)  # fmt: skip
 
 
 def _error_message(error: Any) -> str:

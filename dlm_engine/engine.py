@@ -14,6 +14,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from dlm_protocol.response import CHAT_ROLES, FINISH_TOOL_CALLS
 
 from .config import EngineConfig
@@ -26,6 +28,7 @@ from .outputs import RequestOutput
 from .prompt_limits import check_prompt_bytes, prompt_byte_cap, prompt_bytes
 from .sampling_params import ResolvedParams, SamplingParams, resolve
 from .scheduler import Scheduler
+from .scoring import ScoreJob, run_batch, summary
 from .sequence import Sequence
 from .text import StableText
 from .tools import ToolCallText, ToolSpec, prompt_messages, template_has_tools
@@ -65,6 +68,7 @@ class Engine:
         self._token_texts = TokenTexts(lm.tokenizer)
         self._tool_texts: dict[str, ToolCallText] = {}  # issue 17: requests with tools
         self._template_tools = template_has_tools(lm.tokenizer)
+        self._scoring: list[ScoreJob] = []  # issue 17: scoring requests, oldest first
         self._aborted: list[str] = []
         self.total_forwards = 0
         self.last_step_rows = 0
@@ -192,10 +196,13 @@ class Engine:
     ) -> str:
         """Queue a request; it joins the batch at the next step that has room."""
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.scheduler:
+        if request_id in self.scheduler or any(j.request_id == request_id for j in self._scoring):
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         resolved = params if isinstance(params, ResolvedParams) else self.resolve_params(params)
         prompt_ids = self._check_length(self._check_ids(list(prompt_ids)), "prompt")
+        if resolved.score is not None:  # issue 17: score the prompt, generate nothing
+            self._scoring.append(self._score_job(request_id, prompt_ids, resolved))
+            return request_id
         seq = Sequence(
             request_id,
             prompt_ids,
@@ -218,7 +225,9 @@ class Engine:
         self._aborted.append(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting or self._aborted)
+        return bool(
+            self.scheduler.running or self.scheduler.waiting or self._aborted or self._scoring
+        )
 
     @property
     def num_waiting(self) -> int:
@@ -233,6 +242,8 @@ class Engine:
         """Admit, run one denoising step for every running row, retire finished rows."""
         t0 = time.monotonic()
         outputs = self.drain_aborted()
+        if self._scoring:  # issue 17: one batch of samples for the oldest scoring request
+            outputs += self._score_step()
         self.scheduler.admit()
         seqs = list(self.scheduler.running)
         self.last_step_rows = len(seqs)
@@ -312,10 +323,74 @@ class Engine:
         tok = self.tokenizer
         return [None if t == seq.mask_id else tok.decode([t]) for t in seq.canvas]
 
+    # ---- scoring (issue 17) ---------------------------------------------------------------
+    def _score_job(
+        self, request_id: str, prompt_ids: list[int], params: ResolvedParams
+    ) -> ScoreJob:
+        shift = self.runner.shift
+        if len(prompt_ids) <= shift:
+            raise InvalidRequestError("prompt", f"needs at least {shift + 1} tokens to be scored")
+        generator = torch.Generator()
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(params.seed)
+        return ScoreJob(request_id, prompt_ids, params.score or 1, generator, shift)
+
+    def _score_step(self) -> list[RequestOutput]:
+        """One forward of the oldest scoring request's samples; its output once it has all."""
+        job = self._scoring[0]
+        try:
+            run_batch(job, self.runner.model, self.mask_id, self.loaded.device)
+        except Exception as exc:  # this request alone fails; generation goes on
+            self._scoring.pop(0)
+            return [
+                self._score_output(job, "error", f"internal error: {type(exc).__name__}: {exc}")
+            ]
+        self.total_forwards += 1
+        if not job.finished:
+            return []
+        self._scoring.pop(0)
+        return [self._score_output(job, "length")]
+
+    def _score_output(self, job: ScoreJob, reason: str, error: str | None = None) -> RequestOutput:
+        """The one output of a scoring request: the text (echo), per-token values in
+        `logprobs` (`logprob` = the estimate, `variance`) and the totals in `score`."""
+        logprobs = score = None
+        text = ""
+        if reason == "length":
+            values, variances, score = summary(job)
+            logprobs = [
+                {**self._token_texts.entry(t, v), "variance": var}
+                for t, v, var in zip(job.ids, values, variances, strict=True)
+            ]
+            text = self.tokenizer.decode(
+                job.ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+        return RequestOutput(
+            request_id=job.request_id,
+            text=text,
+            delta_text=text,
+            token_ids=list(job.ids),
+            finished=True,
+            finish_reason=reason,
+            prompt_tokens=len(job.ids),
+            completion_tokens=0,
+            steps=job.forwards,
+            error=error,
+            logprobs=logprobs,
+            score=score,
+        )
+
     def drain_aborted(self) -> list[RequestOutput]:
         """Remove aborted requests now; one final `abort` output each."""
         outs = []
         for rid in self._aborted:
+            job = next((j for j in self._scoring if j.request_id == rid), None)
+            if job is not None:
+                self._scoring.remove(job)
+                outs.append(self._score_output(job, "abort"))
+                continue
             seq = self.scheduler.remove(rid)
             if seq is None:
                 continue

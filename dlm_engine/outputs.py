@@ -31,6 +31,8 @@ class RequestOutput:
     # issue 17, requests with tools: on the final output, the calls in OpenAI's shape
     # ({id, type: function, function: {name, arguments}}); `finish_reason` is then `tool_calls`
     tool_calls: list[dict[str, Any]] | None = None
+    # issue 17, scoring requests (`score`): {log_likelihood, variance, mc_samples, tokens}
+    score: dict[str, Any] | None = None
 
     @property
     def forwards(self) -> int:

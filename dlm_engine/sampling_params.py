@@ -26,6 +26,7 @@ from dlm_protocol.params import (
 from .decoding.grammar import CONSTRAINT_KEYS, Constraint, parse_constraint
 from .decoding.grammar import coerce_value as coerce_constraint
 from .errors import InvalidRequestError
+from .scoring import DEFAULT_MC_SAMPLES
 from .tools import ToolSpec, resolve_tools, tool_constraint
 
 __all__ = [
@@ -106,6 +107,7 @@ class ResolvedParams:
     constraint: Constraint | None = None  # issue 17: structure constraint (decoding/grammar.py)
     logprobs: int | None = None  # issue 17: record committed tokens' logprobs, with N alternatives
     tools: ToolSpec | None = None  # issue 17: tool calling (tools.py); None also for `none`
+    score: int | None = None  # issue 17: score the prompt with this many MC samples (scoring.py)
 
     @property
     def num_blocks(self) -> int:
@@ -190,6 +192,7 @@ def resolve(
     if p.cache != "none" and p.cfg_scale > 0:
         raise InvalidRequestError("cache", "cached mode cannot be combined with cfg_scale")
     tools = resolve_tools(p.tools, p.tool_choice, p.parallel_tool_calls)
+    constraint = _constraint(p, tools)
     return ResolvedParams(
         max_tokens=max_tokens,
         steps=steps,
@@ -208,10 +211,20 @@ def resolve(
         cache=p.cache,
         max_nfe=p.max_nfe,
         accel=resolve_acceleration(p, family=family, algorithm=algorithm, threshold=threshold),
-        constraint=_constraint(p, tools),
+        constraint=constraint,
         logprobs=p.logprobs,
         tools=tools,
+        score=_score(p, constraint),
     )
+
+
+def _score(p: SamplingParams, constraint: Constraint | None) -> int | None:
+    """Monte-Carlo samples of a scoring request (`score: true`), None when generating."""
+    if not p.score:
+        return None
+    if constraint is not None:
+        raise InvalidRequestError("score", f"scores a text; {constraint.field} does not apply")
+    return p.mc_samples or DEFAULT_MC_SAMPLES
 
 
 def _constraint(p: SamplingParams, tools: ToolSpec | None) -> Constraint | None:

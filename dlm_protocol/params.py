@@ -582,7 +582,34 @@ TOOL_PARAMS = (
         examples=(False, "yes"),
     ),
 )
-PARAMS = PARAMS + ACCELERATION_PARAMS + STRUCTURE_PARAMS + LOGPROB_PARAMS + TOOL_PARAMS
+# ---- issue 17: scoring a text under the masked-diffusion objective (dlm_engine/scoring.py) ----
+MAX_MC_SAMPLES = 1024
+SCORING_PARAMS = (
+    Param(
+        "score",
+        BOOL,
+        "Generate nothing: estimate the prompt's log-likelihood under the masked-diffusion "
+        "objective (Monte-Carlo over mask ratios, as LLaDA's get_log_likelihood), per token with "
+        "its variance, in `logprobs`, and the total in `score`.",
+        default=False,
+        default_doc="`false`",
+        relations="proxy: completions `echo: true` with `max_tokens: 0`",
+        examples=(False, "yes"),
+    ),
+    Param(
+        "mc_samples",
+        INT,
+        "Scoring: Monte-Carlo samples (masked copies of the text, one forward row each); the "
+        "variance falls as 1 / mc_samples. Ignored when generating.",
+        default_doc="32",
+        minimum=1,
+        maximum=MAX_MC_SAMPLES,
+        examples=(8, 0),
+    ),
+)
+PARAMS = (
+    PARAMS + ACCELERATION_PARAMS + STRUCTURE_PARAMS + LOGPROB_PARAMS + TOOL_PARAMS + SCORING_PARAMS
+)
 
 BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
 # alias -> canonical name (canonical names map to themselves)

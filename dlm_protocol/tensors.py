@@ -105,6 +105,16 @@ TOOL_CALLS = TensorSpec(
     'model called tools (`finish_reason` `tool_calls`); otherwise `""`',
 )
 
+# issue 17: scoring requests (`score`; dlm_engine/scoring.py)
+SCORE = TensorSpec(
+    "score",
+    "BYTES",
+    (1,),
+    "with `score`, on the last response: JSON `{log_likelihood, variance, mc_samples, tokens}` "
+    "(the prompt's estimated log-likelihood bound and the variance of the estimate; per-token "
+    'values are in `logprobs`); otherwise `""`',
+)
+
 OUTPUTS: tuple[TensorSpec, ...] = (
     TEXT_OUTPUT,
     FINISH_REASON,
@@ -116,6 +126,7 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     CANVAS,
     LOGPROBS,
     TOOL_CALLS,
+    SCORE,
 )
 OUTPUT_NAMES: tuple[str, ...] = tuple(t.name for t in OUTPUTS)
 BY_NAME: dict[str, TensorSpec] = {t.name: t for t in (*INPUTS, *OUTPUTS)}

@@ -295,6 +295,7 @@ class TritonPythonModel:
             tensors.TOOL_CALLS: json.dumps(out.tool_calls, ensure_ascii=False)
             if getattr(out, "tool_calls", None)
             else "",
+            tensors.SCORE: json.dumps(out.score) if getattr(out, "score", None) else "",
         }
         return pb_utils.InferenceResponse(
             output_tensors=[_output_tensor(spec, values[spec]) for spec in tensors.OUTPUTS]

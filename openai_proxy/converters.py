@@ -55,6 +55,7 @@ class TritonEvent:
     forwards: int = 0  # forwards (NFE) used so far; 0 = not reported
     logprobs: list[dict[str, Any]] | None = None  # entries for the tokens of `text` (issue 17)
     tool_calls: list[dict[str, Any]] | None = None  # on the final event, with tools (issue 17)
+    score: dict[str, Any] | None = None  # on the final event of a scoring request (issue 17)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class ChoiceResult:
     forwards: int = 0
     logprobs: list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    score: dict[str, Any] | None = None
 
     def absorb(self, ev: TritonEvent) -> None:
         """Take one Triton response of this choice into the running totals."""
@@ -79,6 +81,8 @@ class ChoiceResult:
             self.logprobs = (self.logprobs or []) + ev.logprobs
         if ev.tool_calls:
             self.tool_calls = ev.tool_calls
+        if ev.score:
+            self.score = ev.score
         self.prompt_tokens = ev.prompt_tokens or self.prompt_tokens
         self.completion_tokens = ev.completion_tokens or self.completion_tokens
         self.forwards = ev.forwards or self.forwards
@@ -112,6 +116,9 @@ def sampling_parameters(req: _RequestBase, choice: int, limits: ProxyConfig) -> 
     logprobs = req.logprobs_key()
     if logprobs is not None:
         params["logprobs"] = logprobs
+    if req.is_scoring():  # issue 17: echo + max_tokens 0 = the contract's `score`
+        params.pop("max_tokens", None)
+        params["score"] = True
     for key in DIFFUSION_KEYS:
         value = getattr(req, key)
         if value is not None:
@@ -255,6 +262,7 @@ def completion_response(
                 "text": r.text,
                 "finish_reason": openai_finish_reason(r.finish_reason),
                 "logprobs": completion_logprobs(r.logprobs),
+                **score_fields(r.score),
             }
             for r in results
         ],
@@ -292,6 +300,14 @@ def completion_logprobs(
     for e in entries:
         offsets.append(offset)
         offset += len(e["token"])
+    if entries and "variance" in entries[0]:  # a scoring request's per-token estimates
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": None,
+            "text_offset": offsets,
+            "variances": [e["variance"] for e in entries],
+        }
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
@@ -307,3 +323,14 @@ def assistant_message(r: ChoiceResult) -> dict[str, Any]:
     if not r.tool_calls:
         return {"role": "assistant", "content": r.text}
     return {"role": "assistant", "content": r.text or None, "tool_calls": r.tool_calls}
+
+
+def score_fields(score: dict[str, Any] | None) -> dict[str, Any]:
+    """A scored prompt's totals as extra fields of its completion choice (issue 17)."""
+    if not score:
+        return {}
+    return {
+        "log_likelihood": score["log_likelihood"],
+        "log_likelihood_variance": score["variance"],
+        "mc_samples": score["mc_samples"],
+    }

@@ -67,7 +67,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "store": (None, False),
     "metadata": (None, {}),
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
 }
 
@@ -176,7 +175,7 @@ class _RequestBase(_ContractFields):
                     data[canonical] = next(iter(given.values()))
         return data
 
-    @field_validator(*UNSUPPORTED_FIELDS.keys() - {"best_of", "echo", "suffix"}, mode="after")
+    @field_validator(*UNSUPPORTED_FIELDS.keys() - {"best_of", "suffix"}, mode="after")
     @classmethod
     def _reject_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         return _check_unsupported(info.field_name or "", value)
@@ -206,6 +205,10 @@ class _RequestBase(_ContractFields):
         """The contract's `logprobs` (alternatives per token; None = off). Completions send
         OpenAI's `logprobs: N` as it is; chat maps `logprobs: true` + `top_logprobs`."""
         return self.logprobs
+
+    def is_scoring(self) -> bool:
+        """Completions `echo: true` + `max_tokens: 0`: score the prompt (issue 17)."""
+        return False
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
@@ -394,6 +397,13 @@ class ChatCompletionRequest(_RequestBase):
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
+def _completion_max_tokens(value: Any) -> Any:
+    """The contract's check, plus 0 (with `echo: true`: scoring, issue 17)."""
+    if value == 0 and isinstance(value, int) and not isinstance(value, bool):
+        return 0
+    return _checked_as("max_tokens")(value)
+
+
 class CompletionRequest(_RequestBase):
     """POST /v1/completions. A prompt is sent raw (no chat template)."""
 
@@ -408,8 +418,23 @@ class CompletionRequest(_RequestBase):
         "token ids. Each prompt gets n choices, indexed prompt * n + i.",
     )
     best_of: _Unsupported = None
-    echo: _Unsupported = None
     suffix: _Unsupported = None
+    # issue 17: echo + max_tokens 0 scores the prompt (the contract's `score`, with `mc_samples`)
+    echo: bool | None = Field(
+        None,
+        description="With `max_tokens: 0`: generate nothing and score the prompt under the "
+        "masked-diffusion objective (per-token estimates in `logprobs`, totals in "
+        "`log_likelihood`, `log_likelihood_variance`; see `mc_samples`).",
+    )
+    max_tokens: Annotated[
+        Any,
+        BeforeValidator(_completion_max_tokens),
+        WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}]}),
+    ] = Field(
+        None,
+        validation_alias=AliasChoices(*ALIASES["max_tokens"]),
+        description=BY_NAME["max_tokens"].description() + " 0 with `echo: true`: score the prompt.",
+    )
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -429,7 +454,7 @@ class CompletionRequest(_RequestBase):
             "ids (integers >= 0) or a non-empty list of such lists"
         )
 
-    @field_validator("best_of", "echo", "suffix", mode="after")
+    @field_validator("best_of", "suffix", mode="after")
     @classmethod
     def _reject_unsupported_completion(cls, value: Any, info: ValidationInfo) -> Any:
         return _check_unsupported(info.field_name or "", value)
@@ -440,6 +465,21 @@ class CompletionRequest(_RequestBase):
         if value not in (None, [], "none", "auto"):
             raise ValueError(f"'{info.field_name}' is a chat completions field")
         return value
+
+    @model_validator(mode="after")
+    def _echo_scores(self) -> CompletionRequest:
+        if self.echo and self.max_tokens != 0:
+            raise InvalidRequestError(
+                "echo",
+                "scores the prompt and needs max_tokens: 0 (echo with a generation is "
+                "not supported)",
+            )
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens", "0 needs echo: true (scoring the prompt)")
+        return self
+
+    def is_scoring(self) -> bool:
+        return bool(self.echo)
 
     def prompts(self) -> list[str | list[int]]:
         """Normalise the four accepted shapes to a list of single prompts."""
@@ -490,13 +530,17 @@ class ChatLogprobs(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """OpenAI's legacy completions shape plus `steps` (issue 17)."""
+    """OpenAI's legacy completions shape plus `steps` (issue 17); for a scored prompt (echo +
+    max_tokens 0) each token's estimated share of the log-likelihood bound and `variances`."""
 
     tokens: list[str]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float]] | None
     text_offset: list[int]
-    steps: list[int] = Field(..., description=LOGPROB_FIELDS["step"])
+    steps: list[int] | None = Field(None, description=LOGPROB_FIELDS["step"])
+    variances: list[float | None] | None = Field(
+        None, description="scoring: the variance of each token's estimate"
+    )
 
 
 class ChatChoice(BaseModel):
@@ -555,6 +599,15 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: Literal["stop", "length"] | None
     logprobs: CompletionLogprobs | None = None
+    log_likelihood: float | None = Field(
+        None,
+        description="scoring (echo + max_tokens 0): the prompt's estimated log-likelihood "
+        "bound under the masked-diffusion objective",
+    )
+    log_likelihood_variance: float | None = Field(
+        None, description="scoring: the variance of that estimate (null with one sample)"
+    )
+    mc_samples: int | None = Field(None, description="scoring: Monte-Carlo samples used")
 
 
 class CompletionResponse(BaseModel):

@@ -17,6 +17,7 @@ from .converters import (
     chat_logprobs,
     completion_logprobs,
     openai_finish_reason,
+    score_fields,
     usage_of,
 )
 from .errors import ProxyError, ServiceUnavailable
@@ -78,6 +79,8 @@ class ChunkBuilder:
                 else completion_logprobs(event.logprobs, offset)
             )
         c["finish_reason"] = finish_reason
+        if event is not None and event.score:  # a scored prompt's totals (issue 17)
+            c.update(score_fields(event.score))
         if event is not None and event.canvas is not None:
             c["canvas"] = event.canvas
             c["steps"] = event.steps

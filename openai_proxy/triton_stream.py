@@ -137,6 +137,7 @@ def decode_result(result: InferResult) -> TritonEvent:
     canvas = json.loads(canvas_raw) if canvas_raw else None
     logprobs_raw = _as_str(_first(result, tensors.LOGPROBS.name))
     tool_calls_raw = _as_str(_first(result, tensors.TOOL_CALLS.name))
+    score_raw = _as_str(_first(result, tensors.SCORE.name))
     reason = _as_str(_first(result, tensors.FINISH_REASON.name)) or None
 
     def num(name: str) -> int:
@@ -160,6 +161,7 @@ def decode_result(result: InferResult) -> TritonEvent:
         forwards=num(tensors.FORWARDS.name) or steps,
         logprobs=json.loads(logprobs_raw) if logprobs_raw else None,
         tool_calls=json.loads(tool_calls_raw) if tool_calls_raw else None,
+        score=json.loads(score_raw) if score_raw else None,
     )
 
 

@@ -238,3 +238,29 @@ def test_logprobs_map_to_the_contract_key() -> None:
         assert field in str(info.value), kw
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate({"model": "m", "prompt": "p", "logprobs": True})
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt() -> None:
+    """Completions `echo: true` + `max_tokens: 0` = the contract's `score` (issue 17)."""
+    from openai_proxy.config import ProxyConfig
+    from openai_proxy.converters import sampling_parameters
+
+    def comp(**kw: Any) -> CompletionRequest:
+        return CompletionRequest.model_validate({"model": "m", "prompt": "p", **kw})
+
+    req = comp(echo=True, max_tokens=0, mc_samples=64, logprobs=0)
+    assert req.is_scoring()
+    params = sampling_parameters(req, 0, ProxyConfig())
+    assert params["score"] is True and params["mc_samples"] == 64 and "max_tokens" not in params
+    assert not comp(max_tokens=4).is_scoring()
+    for kw, field in (
+        ({"echo": True}, "echo"),
+        ({"echo": True, "max_tokens": 3}, "echo"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"echo": "yes", "max_tokens": 0}, "echo"),
+    ):
+        with pytest.raises(ValidationError) as info:
+            comp(**kw)
+        assert field in str(info.value), kw
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({**CHAT, "max_tokens": 0})
