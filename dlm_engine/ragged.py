@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .kv_cache import KVPool
@@ -193,9 +194,9 @@ def plan_packed(
             keep = torch.tensor([s is not None for s in stored])[:, None] & (ar < gl[:, None])
             write = torch.where(keep, pos0[sel, None] + ar, pool.trash_pos)
             inputs[f"{g}_write_pos"] = padded(write, pool.trash_pos)
-    token = torch.arange(n_real)
-    row_of = torch.searchsorted(offsets[1:], token, right=True)  # repeat_interleave is slow
-    j_of = token - offsets[row_of]
+    # numpy's repeat: torch's repeat_interleave and searchsorted took 4 ms on CPU for 320 tokens
+    row_of = torch.from_numpy(np.repeat(np.arange(n_rows), qlens.numpy()))
+    j_of = torch.arange(n_real) - offsets[row_of]
     zeros = torch.zeros(tail, dtype=torch.long)
     if not all(identity for *_, identity in layout):
         inputs["out_index"] = torch.cat([flat_of_row[row_of] + j_of, zeros])
