@@ -291,6 +291,12 @@ def main() -> None:
         default="",
         help="comma list of the scheduler's phase_wait_steps to compare (engine target)",
     )
+    ap.add_argument(
+        "--warm-arrivals",
+        action="store_true",
+        help="run each arrival process once untimed first (a server that has captured its "
+        "CUDA graphs for the shapes staggered arrivals produce, as a warmed-up one would)",
+    )
     ap.add_argument("--slo-factor", type=float, default=2.0, help="SLO = factor x e2e alone")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="traffic_out")
@@ -342,12 +348,17 @@ def main() -> None:
         base_tps = None
         for spec in args.arrivals.split(","):
             arr = arrival_times(spec, n, saturated, rng)
+            if args.warm_arrivals and spec != "all":
+                run(arr)  # untimed: capture graphs at the shapes these arrivals produce
             work0 = dict(engine.runner.work) if engine else None
+            graphs = engine.runner.graphs if engine else None
+            captures0 = graphs.captures if graphs else 0
             with GpuSampler() as gpu:
                 traces, wall = run(arr)
             s = summarise(traces, wall, slo)
             row = RoundResult(args.target, cache, n, spec, slo, gpu_util=gpu.mean, **s)
             row.extra["phase_wait_steps"] = engine.scheduler.phase_wait_steps if engine else None
+            row.extra["graph_captures"] = (graphs.captures - captures0) if graphs else None
             if spec == "all":
                 saturated = n / wall
                 base_tps = row.tok_s
@@ -376,7 +387,8 @@ def format_row(r: RoundResult) -> str:
         f"tok/s={r.tok_s:8.1f} x_all={f(r.x_all)} goodput={r.goodput_rps:6.2f}/s "
         f"(slo {r.slo_s:.2f}s) ttft50={f(r.ttft_p50, '.3f')} e2e p50/95/99="
         f"{r.e2e_p50:.3f}/{r.e2e_p95:.3f}/{r.e2e_p99:.3f} failed={r.failed} "
-        f"gpu={f(r.gpu_util, '.0f')}% peak={f(r.pct_peak, '.1f')}%"
+        f"gpu={f(r.gpu_util, '.0f')}% peak={f(r.pct_peak, '.1f')}% "
+        f"captures={r.extra.get('graph_captures')}"
     )
 
 
