@@ -212,18 +212,23 @@ def parse_tool_calls(text: str, spec: ToolSpec) -> tuple[str, list[dict[str, Any
     if start < 0:
         return text, None
     calls, pos = [], start
-    decoder = json.JSONDecoder()
+    # numbers stay as written (a grammar-valid 1e999 is no float), NaN / Infinity are no JSON
+    decoder = json.JSONDecoder(parse_float=_Number, parse_constant=_no_constant)
     while pos >= 0:
         body = text[pos + len(TOOL_CALL_OPEN) :].lstrip()
         try:
             obj, end = decoder.raw_decode(body)
-        except json.JSONDecodeError:
+        except ValueError:  # JSONDecodeError too
             return text, None
         rest = body[end:].lstrip()
         if not rest.startswith(TOOL_CALL_CLOSE) and rest:
             return text, None
         args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
-        args = _json_value(args) if isinstance(args, str) else args
+        if isinstance(args, str):
+            try:
+                args = decoder.decode(args)
+            except ValueError:  # JSONDecodeError too
+                return text, None
         name = obj.get("name") if isinstance(obj, dict) else None
         if name not in spec.names or not isinstance(args, dict):
             return text, None
@@ -231,7 +236,7 @@ def parse_tool_calls(text: str, spec: ToolSpec) -> tuple[str, list[dict[str, Any
             {
                 "id": f"call_{uuid.uuid4().hex[:24]}",
                 "type": "function",
-                "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
+                "function": {"name": name, "arguments": _dump(args)},
             }
         )
         if not rest:
@@ -241,6 +246,26 @@ def parse_tool_calls(text: str, spec: ToolSpec) -> tuple[str, list[dict[str, Any
     if not spec.parallel:
         calls = calls[:1]
     return text[:start], calls
+
+
+class _Number(str):
+    """A JSON number with a fraction or exponent, kept as written."""
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _dump(value: Any) -> str:
+    """JSON text of parsed arguments, numbers as the model wrote them."""
+    if isinstance(value, _Number):
+        return str.__str__(value)
+    if isinstance(value, dict):
+        items = (f"{json.dumps(k, ensure_ascii=False)}: {_dump(v)}" for k, v in value.items())
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_dump(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False)
 
 
 class ToolCallText:

@@ -238,3 +238,24 @@ def test_tool_messages_are_checked(engines: dict[str, Engine]) -> None:
         with pytest.raises(InvalidRequestError) as err:
             eng.encode_prompt(messages=messages)
         assert err.value.field == "messages"
+
+
+def test_arguments_are_json_as_written(engines: dict[str, Engine]) -> None:
+    """A grammar-valid number too large for a float stays valid JSON (no `Infinity`, which a
+    JSON client cannot read); NaN written by a free model is no call."""
+    huge = '<tool_call>\n{"name": "add", "arguments": {"a": 1e999, "b": -2.50}}\n</tool_call>'
+    final = _run(
+        engines["llada"],
+        {"max_tokens": 128, "tools": TOOLS, "grammar": f"start: {json.dumps(huge)}"},
+    )[-1]
+    args = final.tool_calls[0]["function"]["arguments"]
+    assert "Infinity" not in args and json.loads(args, parse_float=str) == {
+        "a": "1e999",
+        "b": "-2.50",
+    }
+    nan = '<tool_call>\n{"name": "add", "arguments": {"a": NaN, "b": 1}}\n</tool_call>'
+    final = _run(
+        engines["llada"],
+        {"max_tokens": 128, "tools": TOOLS, "grammar": f"start: {json.dumps(nan)}"},
+    )[-1]
+    assert final.tool_calls is None and final.text == nan
