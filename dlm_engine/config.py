@@ -26,7 +26,7 @@ class EngineConfig:
     # (one forward per step instead of a refresh plus a span forward); 0 admits at once
     phase_wait_steps: int = 8
     cuda_graphs: bool = True  # replay captured graphs for the forwards on CUDA devices
-    max_cuda_graphs: int = 24  # shapes kept captured; each holds its own activation memory
+    max_cuda_graphs: int = 96  # shapes kept captured (one shared activation pool)
     fused_kernels: bool = True  # torch.compile the elementwise pieces on CUDA devices
 
     def __post_init__(self) -> None:

@@ -46,6 +46,10 @@ class GraphCache:
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self.captures = 0
+        # One memory pool for every captured graph: they replay one at a time on one stream,
+        # so their activations can share memory; a graph's output stays valid until another
+        # graph replays (the caller consumes it first), so many shapes fit in little memory.
+        self.mempool = None
 
     def clear(self) -> None:
         self.graphs.clear()
@@ -100,7 +104,9 @@ class GraphCache:
                 fn(static)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph):
+        if self.mempool is None:
+            self.mempool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.mempool):
             out = fn(static)
         entry = _Captured(graph, static, out)
         self.graphs[key] = entry

@@ -44,7 +44,7 @@ class ModelRunner:
         *,
         max_rows: int = 16,
         cuda_graphs: bool = True,
-        max_cuda_graphs: int = 24,
+        max_cuda_graphs: int = 96,
         fused_kernels: bool = True,
     ) -> None:
         self.model = model
@@ -132,7 +132,8 @@ class ModelRunner:
         self.work["logit_positions"] += plan.rows * width
         fn = packed_forward_fn(self.model, pool, width, plan.layout)
         key = ("packed", self._pool_id(), width, plan.layout)
-        logits = self._run(key, fn, plan.inputs)[: plan.rows]
+        hidden = self._run(key, fn, plan.inputs)[: plan.rows]
+        logits = self.model.head(hidden)
         b = len(seqs)
         current = plan.inputs["ids"][0][plan.current_index[:b]]
         cfg = [i for i, s in enumerate(seqs) if s.params.cfg_scale > 0]

@@ -225,13 +225,15 @@ def plan_packed(
 
 
 def packed_forward_fn(model: torch.nn.Module, pool: KVPool | None, width: int, layout: Layout):
-    """The forward of a packed plan: logits [rows, width, vocab] (graph-capturable)."""
-    from .models.common import ForwardBatch
+    """The forward of a packed plan up to the output head: the hidden states of every row's
+    window [rows, width, hidden] (graph-capturable). The head runs outside a captured graph,
+    so a graph keeps hidden states, not vocabulary-wide logits, as its static output."""
+    from .models.common import ForwardBatch, gather_positions
 
     def fn(x: dict[str, torch.Tensor]) -> torch.Tensor:
         ctx = PackedAttention(x, pool, layout)
         batch = ForwardBatch(x["ids"], x["positions"], None, x["logits_index"], ctx)
-        logits = model(batch)
-        return logits.reshape(-1, width, logits.shape[-1])
+        hidden = gather_positions(model.hidden_states(batch), x["logits_index"])
+        return hidden.reshape(-1, width, hidden.shape[-1])
 
     return fn
