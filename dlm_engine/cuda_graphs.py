@@ -52,7 +52,11 @@ class GraphCache:
         self.mempool = None
 
     def clear(self) -> None:
+        """Drop every graph (their inputs moved, e.g. a new KV pool). Their shared memory pool
+        goes with them: the next capture opens a new one (PyTorch asserts when a capture uses
+        a pool whose graphs were all released, as the H100 showed)."""
         self.graphs.clear()
+        self.mempool = None
 
     def run(
         self,
