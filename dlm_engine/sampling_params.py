@@ -108,6 +108,7 @@ class ResolvedParams:
     logprobs: int | None = None  # issue 17: record committed tokens' logprobs, with N alternatives
     tools: ToolSpec | None = None  # issue 17: tool calling (tools.py); None also for `none`
     score: int | None = None  # issue 17: score the prompt with this many MC samples (scoring.py)
+    priority: int = 0  # issue 14: admission order, lower first (scheduler.py)
 
     @property
     def num_blocks(self) -> int:
@@ -215,6 +216,7 @@ def resolve(
         logprobs=p.logprobs,
         tools=tools,
         score=_score(p, constraint),
+        priority=p.priority,
     )
 
 

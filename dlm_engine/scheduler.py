@@ -1,5 +1,9 @@
-"""Who joins the next denoising step: FIFO admission under row and token budgets, with cached
-rows admitted in phase with the running cached rows.
+"""Who joins the next denoising step: admission by (priority, arrival order) under row and
+token budgets, with cached rows admitted in phase with the running cached rows.
+
+A request's `priority` (lower first, vLLM's convention; default 0) orders the waiting queue
+only: strict, no aging, and a running row is never preempted. Equal priorities keep arrival
+order, so with no priorities given admission is FIFO.
 
 A cached row's step is either a refresh (a full forward that rewrites its KV cache, at a block
 start) or an in-block span over its cache; each kind is its own forward. Rows that arrive at
@@ -37,11 +41,12 @@ class Scheduler:
         self.waiting.append(seq)
 
     def admit(self) -> None:
-        """Move waiting requests into the batch while rows and tokens allow (at least one)."""
+        """Move waiting requests into the batch, lowest priority value first (arrival order
+        among equals), while rows and tokens allow (at least one)."""
         rows = sum(s.rows for s in self.running)
         tokens = sum(s.length * s.rows for s in self.running)
         in_phase = self._cached_rows_in_phase()
-        for seq in list(self.waiting):
+        for seq in sorted(self.waiting, key=_priority):  # stable: FIFO within a priority
             fits = (
                 rows + seq.rows <= self.max_rows
                 and tokens + seq.length * seq.rows <= self.max_step_tokens
@@ -89,3 +94,7 @@ class Scheduler:
 
     def __contains__(self, request_id: str) -> bool:
         return any(s.request_id == request_id for s in (*self.running, *self.waiting))
+
+
+def _priority(seq: Sequence) -> int:
+    return seq.params.priority

@@ -52,6 +52,9 @@ MAX_ENTROPY_THRESHOLD = 20.0
 MIN_POSITIVE_TEMPERATURE = 1e-4
 MAX_ALG_TEMP = 100.0
 MAX_CFG_SCALE = 100.0
+# issue 14: request priority, lower = admitted first (vLLM's convention); the range is wide
+# enough for any tiering and small enough to stay an ordinary integer everywhere
+MAX_PRIORITY = 100
 
 # Value kinds. "stop" is OpenAI's `stop`: a string or a list of strings (normalised to a list).
 INT, FLOAT, BOOL, STR, STOP = "int", "float", "bool", "str", "stop"
@@ -385,6 +388,20 @@ PARAMS: tuple[Param, ...] = (
         default_doc="none (the schedule's `steps`)",
         minimum=1,
         examples=(4, 0),
+    ),
+    Param(
+        "priority",
+        INT,
+        "Admission order when requests wait for room: lower = served first (vLLM's "
+        "convention), arrival order among equals. Strict, no aging; a running request is never "
+        "preempted; never changes the tokens.",
+        default=0,
+        default_doc="0",
+        minimum=-MAX_PRIORITY,
+        maximum=MAX_PRIORITY,
+        relations="Triton gRPC and HTTP `infer`: send it in `sampling_parameters` (a `priority` "
+        "request parameter there is Triton's own scheduler's and never reaches the model)",
+        examples=(-5, 101),
     ),
 )
 

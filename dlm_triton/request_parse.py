@@ -18,8 +18,10 @@ from dlm_protocol.errors import PREFIX_INVALID
 from dlm_protocol.tensors import PROMPT_INPUT_NAMES as PROMPT_INPUTS
 from dlm_protocol.tensors import SAMPLING_PARAMETERS, STREAM
 
-# Request parameters Triton or tritonclient add themselves; never sampling keys.
-_RESERVED_PREFIXES = ("triton_", "sequence_", "priority", "timeout", "binary_data")
+# Request parameters Triton or tritonclient add themselves; never sampling keys. `priority` is
+# the contract's key: gRPC and HTTP `infer` keep a `priority` request parameter for Triton's own
+# scheduler (it never gets here), so one that does get here (HTTP `generate`) is ours.
+_RESERVED_PREFIXES = ("triton_", "sequence_", "timeout", "binary_data")
 
 
 class RequestError(ValueError):
