@@ -140,6 +140,23 @@ def _check_fanout(prompts: int, n: int, limits: ProxyConfig) -> None:
         )
 
 
+def check_admissible(jobs: list[TritonJob], n: int, capacity: int | None, model: str) -> None:
+    """A call whose generations can never all be admitted at once is a 400 naming `n`, not the
+    503 "try again later" that every retry would get again. `capacity`: the requests the
+    servers of `model` admit at once (`TritonPool.queue_capacity`; None = unknown, no check)."""
+    if capacity is None or len(jobs) <= capacity:
+        return
+    prompts = len({j.prompt_index for j in jobs})
+    asked = f"n={n}" if prompts == 1 else f"{prompts} prompts x n={n} = {len(jobs)} generations"
+    raise InvalidRequest(
+        f"{asked} exceed{'s' if prompts == 1 else ''} the {capacity} requests this server "
+        f"admits at once for model '{model}' (its max_queue): ask for at most {capacity} "
+        "generations per call",
+        param="n",
+        code="invalid_value",
+    )
+
+
 def messages_json(req: ChatCompletionRequest) -> str:
     """The `messages` input: OpenAI messages flattened to {role, content} strings.
 

@@ -20,6 +20,7 @@ from .converters import (
     ChoiceResult,
     TritonJob,
     chat_response,
+    check_admissible,
     completion_response,
     now,
     openai_finish_reason,
@@ -117,6 +118,7 @@ async def serve(
     """Run `jobs` for one call and answer it (kind: "chat" | "completion")."""
     backend, metrics, cfg = state.backend, state.metrics, state.config
     await backend.check_model(body.model)
+    check_admissible(jobs, body.n, await backend.queue_capacity(body.model), body.model)
     created = now()
     metrics.begin()
     handed_off = False  # once a streaming response exists, its on_close ends the call

@@ -41,6 +41,27 @@ _CHANNEL_ARGS = [
 # One replica: its client, what the last probe found, and its counters (replicas.py).
 BackendState = Replica[InferenceServerClient]
 
+# How long a model's admission limit (`queue_capacity`) is kept before its config is read again.
+CAPACITY_TTL_S = 5.0
+
+
+def server_capacity(triton_config: dict[str, Any]) -> int | None:
+    """Requests one tritonserver admits for a model at once: its `max_queue` parameter (each
+    instance refuses `overloaded:` beyond it, dlm_triton/triton_model.py) x its instances
+    (an `instance_group` entry counts once per listed GPU). None: the config has no max_queue."""
+    raw = triton_config.get("parameters", {}).get("max_queue", {}).get("string_value", "")
+    try:
+        max_queue = int(raw)
+    except ValueError:
+        return None
+    if max_queue < 1:
+        return None
+    instances = sum(
+        int(group.get("count", 1) or 1) * max(len(group.get("gpus") or []), 1)
+        for group in triton_config.get("instance_group") or [{}]
+    )
+    return max_queue * max(instances, 1)
+
 
 class TritonPool:
     """The tritonservers serving the same models: one gRPC aio client each (membership, choice,
@@ -61,6 +82,8 @@ class TritonPool:
         self._last_refresh = 0.0
         # model name -> max_batch_size (> 0 means tensors carry a leading batch dim).
         self._batch_dims: dict[str, int] = {}
+        # model name -> (monotonic time read, one server's capacity or None): `queue_capacity`.
+        self._capacities: dict[str, tuple[float, int | None]] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -176,6 +199,25 @@ class TritonPool:
             model, as_json=True, client_timeout=self.config.health_timeout_s
         )
         return cfg.get("config", cfg)
+
+    async def queue_capacity(self, model: str) -> int | None:
+        """Requests the tritonservers of `model` admit at once: `server_capacity` of its config x
+        the replicas that serve it or may come back (not ready now). A call fanning out to more
+        can never run; None when unknown (no check). The config is read again after
+        `CAPACITY_TTL_S`, so a server restarted with another `max_queue` is seen."""
+        now = time.monotonic()
+        cached = self._capacities.get(model)
+        if cached is None or now - cached[0] >= CAPACITY_TTL_S:
+            try:
+                cached = (now, server_capacity(await self.model_config(model)))
+            except Exception:  # not known now: the call goes ahead as before
+                cached = (now, None)
+            self._capacities[model] = cached
+        per_server = cached[1]
+        if per_server is None:
+            return None
+        servers = sum(1 for st in self._states if not st.ready or model in st.states)
+        return per_server * max(servers, 1)
 
     async def batch_dim(self, st: BackendState, model: str) -> int:
         if model not in self._batch_dims:
