@@ -31,6 +31,7 @@ from dlm_triton.procs import (
     alive,
     cmdline,
     free_port,
+    free_ports,
     has_gpu,
     http_ok,
     http_text,
@@ -51,6 +52,7 @@ __all__ = [
     "Ports",
     "TritonServerProcess",
     "free_port",
+    "free_ports",
 ]
 
 STUB_NAME = "triton_python_backend_stub"
@@ -74,7 +76,7 @@ class Ports:
 
     @classmethod
     def free(cls) -> Ports:
-        return cls(free_port(), free_port(), free_port(), free_port())
+        return cls(*free_ports(4))
 
 
 @dataclass

@@ -14,9 +14,21 @@ from pathlib import Path
 
 def free_port() -> int:
     """A port free right now (tests run in parallel: never hard-code 8000)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free right now. All sockets stay bound until every port is picked:
+    closed one by one, the kernel may hand the same port out twice (tritonserver then refused
+    HTTP and gRPC on one port in a suite run)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def has_gpu() -> bool:

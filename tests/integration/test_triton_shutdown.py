@@ -21,7 +21,8 @@ import httpx
 import pytest
 from dlm_client import DLMClient, DLMError
 
-from dlm_triton.launcher import SHM_DIR, SHM_PREFIX, STUB_NAME, free_port
+from dlm_triton.launcher import SHM_DIR, SHM_PREFIX, STUB_NAME
+from dlm_triton.procs import free_ports
 
 pytestmark = pytest.mark.integration
 LONG = {"max_tokens": 1024, "steps": 1024, "stream_mode": "denoise", "suppress_eos": True}
@@ -114,7 +115,7 @@ def test_stop_while_generating_leaves_nothing_behind(server_factory, dream_check
 
 def test_cli_serve_stops_cleanly_on_sigterm(tiny_checkpoint: Path, tmp_path: Path) -> None:
     name = f"cli-{uuid.uuid4().hex[:8]}"
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     cmd = [
         sys.executable, "-m", "dlm_triton.cli", "serve", "--model", str(tiny_checkpoint),
         "--model-name", name, "--device", "cpu", "--no-proxy", "--exit-timeout", "5",
@@ -173,11 +174,12 @@ def test_cli_serve_sigterm_while_loading_cleans_up(tiny_checkpoint: Path, tmp_pa
     """``docker stop`` during a (long) model load: the launcher must not die by the signal and
     orphan tritonserver; it aborts the start and stops what it began."""
     name = f"load-{uuid.uuid4().hex[:8]}"
+    http, grpc, metrics = free_ports(3)
     cmd = [
         sys.executable, "-m", "dlm_triton.cli", "serve", "--model", str(tiny_checkpoint),
         "--model-name", name, "--device", "cpu", "--no-proxy", "--exit-timeout", "5",
-        "--http-port", str(free_port()), "--grpc-port", str(free_port()),
-        "--metrics-port", str(free_port()), "--log-file", str(tmp_path / "triton.log"),
+        "--http-port", str(http), "--grpc-port", str(grpc),
+        "--metrics-port", str(metrics), "--log-file", str(tmp_path / "triton.log"),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

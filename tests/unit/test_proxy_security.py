@@ -3,7 +3,6 @@ internals for anonymous callers, /metrics on its own port."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -13,17 +12,12 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from dlm_triton.procs import free_port, free_ports
 from openai_proxy.app import create_app
 from openai_proxy.config import ProxyConfig, config_from_args
 from openai_proxy.security import UnsafeExposureError, check_exposure, is_loopback
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cfg(**kw: object) -> ProxyConfig:
@@ -115,7 +109,7 @@ def test_health_hides_internals_from_anonymous_callers(key_file: Path) -> None:
 
 
 def test_metrics_on_their_own_port(tmp_path: Path) -> None:
-    api, metrics = free_port(), free_port()
+    api, metrics = free_ports(2)
     cmd = [
         sys.executable, "-m", "openai_proxy", "--host", "127.0.0.1", "--port", str(api),
         "--metrics-port", str(metrics), "--triton-url", f"127.0.0.1:{free_port()}",
