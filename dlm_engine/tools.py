@@ -27,6 +27,8 @@ from typing import Any
 
 import llguidance
 
+from dlm_protocol.structure_shapes import json_value
+
 from .decoding.grammar import MAX_CONSTRAINT_CHARS, Constraint
 from .errors import InvalidRequestError
 
@@ -67,21 +69,12 @@ class ToolSpec:
         return [copy.deepcopy(t) for t in self.tools]
 
 
-def _json_value(value: Any) -> Any:
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            return value
-    return value
-
-
 def resolve_tools(tools: Any, tool_choice: Any, parallel: bool) -> ToolSpec | None:
     """The request's tools (None: no tools, or `tool_choice: none`); raises naming the field.
     Shapes were checked by the contract; here the rules across keys."""
-    tools = _json_value(tools) if tools is not None else None
+    tools = json_value(tools) if tools is not None else None
     if isinstance(tool_choice, str) and tool_choice[:1] == "{":
-        tool_choice = _json_value(tool_choice)
+        tool_choice = json_value(tool_choice)
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     if not tools:
         if choice not in ("none", "auto"):
@@ -145,7 +138,7 @@ def template_has_tools(tokenizer: Any) -> bool:
 
 def _arguments(value: Any) -> Any:
     """OpenAI sends arguments as a JSON string; templates write them with `tojson`."""
-    parsed = _json_value(value)
+    parsed = json_value(value)
     return parsed if isinstance(parsed, dict) else value
 
 

@@ -37,7 +37,7 @@ def string_list(value: Any) -> str | None:
 TOOL_CHOICES = ("none", "auto", "required")
 
 
-def _json_value(value: Any) -> Any:
+def json_value(value: Any) -> Any:
     """Triton request parameters carry only scalars: an object or list may come as its JSON."""
     if isinstance(value, str):
         try:
@@ -49,7 +49,7 @@ def _json_value(value: Any) -> Any:
 
 def tools(value: Any) -> str | None:
     """A list of {type: function, function: {name, description?, parameters?}}."""
-    value = _json_value(value)
+    value = json_value(value)
     if not isinstance(value, list):
         return "must be a list of {type: function, function: {name, parameters}}"
     for i, tool in enumerate(value):
@@ -65,7 +65,7 @@ def tools(value: Any) -> str | None:
 
 def tool_choice(value: Any) -> str | None:
     """`none`, `auto`, `required`, or {type: function, function: {name}}."""
-    value = _json_value(value) if isinstance(value, str) and value[:1] == "{" else value
+    value = json_value(value) if isinstance(value, str) and value[:1] == "{" else value
     if isinstance(value, str):
         return None if value in TOOL_CHOICES else _TOOL_CHOICE_REASON
     fn = value.get("function") if isinstance(value, dict) else None
