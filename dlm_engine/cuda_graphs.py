@@ -1,10 +1,9 @@
 """CUDA graphs for the batched forwards: one captured graph per padded shape.
 
 At batch 1 a step of an 8B model is bound by kernel launches, not by the GPU (see
-docs/benchmarks.md). Replaying a captured graph removes them. The caller pads columns to a
-bucketed length itself (it knows what padding means for each input); this cache pads rows to
-a row bucket with a per-input value that makes padded rows harmless, copies the inputs into
-the graph's static buffers and replays.
+docs/benchmarks.md). Replaying a captured graph removes them. The caller pads every input to
+its bucket itself (`bucket_rows`, `round_up`: it knows what padding means for each input);
+this cache copies the inputs into the graph's static buffers and replays.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ class _Captured:
 
 
 class GraphCache:
-    """Captures `fn(static_inputs)` once per key and row bucket; replays it afterwards."""
+    """Captures `fn(static_inputs)` once per key and input shapes; replays it afterwards."""
 
     def __init__(self, device: torch.device, max_graphs: int = 24) -> None:
         self.device = device
@@ -63,44 +62,21 @@ class GraphCache:
         key: tuple,
         fn: Callable[[Inputs], torch.Tensor],
         inputs: Inputs,
-        row_pad: dict[str, int | float | bool] | None = None,
     ) -> torch.Tensor:
-        """Replay (capturing first) the graph of `fn` for these input shapes. With `row_pad`,
-        rows are padded to a row bucket with those values; without, the caller has padded
-        every input to its bucket already and the shapes are the key as they are."""
-        rows = next(iter(inputs.values())).shape[0]
-        full_key = (
-            key,
-            bucket_rows(rows) if row_pad is not None else None,
-            tuple(
-                (n, tuple(t.shape if row_pad is None else t.shape[1:])) for n, t in inputs.items()
-            ),
-        )
+        """Replay (capturing first) the graph of `fn` for these input shapes; the caller has
+        padded every input to its bucket, so the shapes are part of the key as they are."""
+        full_key = (key, tuple((n, tuple(t.shape)) for n, t in inputs.items()))
         entry = self.graphs.get(full_key)
         if entry is None:
-            entry = self._capture(full_key, fn, inputs, row_pad)
+            entry = self._capture(full_key, fn, inputs)
         self.graphs.move_to_end(full_key)
         for name, value in inputs.items():
-            buf = entry.inputs[name]
-            if row_pad is None:  # shapes are the key: the buffers fit exactly
-                buf.copy_(value)
-                continue
-            buf[:rows].copy_(value)
-            if buf.shape[0] > rows:
-                buf[rows:].fill_(row_pad[name])
+            entry.inputs[name].copy_(value)
         entry.graph.replay()
-        return entry.out[:rows] if row_pad is not None else entry.out
+        return entry.out
 
-    def _capture(self, key: tuple, fn, inputs: Inputs, row_pad) -> _Captured:
-        rows = key[1]
-        static = {
-            n: torch.full((rows, *t.shape[1:]), row_pad[n], dtype=t.dtype, device=self.device)
-            if row_pad is not None
-            else torch.empty_like(t)
-            for n, t in inputs.items()
-        }
-        for n, t in inputs.items():
-            static[n][: t.shape[0]].copy_(t)
+    def _capture(self, key: tuple, fn, inputs: Inputs) -> _Captured:
+        static = {n: t.clone() for n, t in inputs.items()}
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side), torch.inference_mode():
