@@ -29,6 +29,12 @@ SETTINGS = [
 ]
 PROMPTS = ["Hello there", "What is 2+2?", "abc", "Tell me a story", "x", "zz top", "q?", "ok"]
 
+# A request that runs 500 steps whatever the random weights predict: the regex admits only
+# 500 'a's, so no end-of-text can be committed early (suppress_eos alone still let the tiny
+# checkpoint commit an end-of-turn token after about 17 steps: cancellation then raced the
+# request's own end).
+LONG_RUNNING = {"max_tokens": 512, "steps": 512, "stream_mode": "denoise", "regex": "a{500}"}
+
 
 def test_grpc_streams_eight_concurrent_requests_in_shared_steps(client: DLMClient, metric) -> None:
     count0 = metric("dlm_rows_per_step_count")
@@ -183,8 +189,7 @@ def test_outputs_equal_the_engines_own(client: DLMClient, tiny_checkpoint: Path)
 
 def test_cancellation_frees_the_row(client: DLMClient, metric) -> None:
     aborted0 = metric("dlm_requests_total", outcome="abort")
-    long = {"max_tokens": 512, "steps": 512, "stream_mode": "denoise", "suppress_eos": True}
-    stream = client.stream("a long one", **long)
+    stream = client.stream("a long one", **LONG_RUNNING)
     assert not next(stream).final  # running: denoise mode answers every step
     deadline = time.monotonic() + 30  # the gauge is read from Triton's metrics endpoint
     while metric("dlm_requests_in_flight") != 1 and time.monotonic() < deadline:
@@ -322,9 +327,8 @@ def test_committed_repository_model_serves_with_env_overrides(
         # max_queue=2: a third request while two are generating is refused, not queued. On a
         # fast machine a long request may finish before the third arrives: then (and only
         # then) the attempt is repeated.
-        long = {"max_tokens": 512, "steps": 512, "stream_mode": "denoise", "suppress_eos": True}
         for _attempt in range(3):
-            running = [client.stream(f"long {i}", **long) for i in range(2)]
+            running = [client.stream(f"long {i}", **LONG_RUNNING) for i in range(2)]
             for stream in running:
                 next(stream)  # started (denoise answers every step)
             try:
