@@ -107,7 +107,8 @@ def attention(
     v: torch.Tensor,
     key_mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Bidirectional attention. q [B,H,T,D], k/v [B,KV,S,D]; key_mask [B,S] True = attend.
+    """Attention. q [B,H,T,D], k/v [B,KV,S,D]; key_mask True = attend: [B,S] for the same keys
+    at every query (bidirectional), or [B,T,S] per query (block-causal block diffusion).
 
     Padding keys are masked, never attended to, so a row's result does not depend on how
     much padding its batch carries.
@@ -116,7 +117,12 @@ def attention(
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=1)
         v = v.repeat_interleave(n_rep, dim=1)
-    mask = None if key_mask is None else key_mask[:, None, None, :]
+    if key_mask is None:
+        mask = None
+    elif key_mask.dim() == 3:
+        mask = key_mask[:, None]
+    else:
+        mask = key_mask[:, None, None, :]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)
 
 
