@@ -90,6 +90,11 @@ def _read_state(path: Path, device: torch.device, dtype: torch.dtype) -> dict[st
     return state
 
 
+# Mask ids the published code hard-codes, for a checkpoint whose config and tokenizer name
+# none: LLaDA2's `generate(mask_id=156895)`, SDAR's config `mask_token_id`.
+PUBLISHED_MASK_IDS = {"llada2": 156895, "sdar": 151669}
+
+
 def _special_ids(
     family: Family, config: dict[str, Any], gen: dict[str, Any], tok: PreTrainedTokenizerBase
 ) -> tuple[int, int, frozenset[int]]:
@@ -97,6 +102,9 @@ def _special_ids(
     mask_id = config.get("mask_token_id", gen.get("mask_token_id"))
     if mask_id is None:
         mask_id = vocab.get(family.mask_token)
+    published = PUBLISHED_MASK_IDS.get(family.name)
+    if mask_id is None and published is not None and published < int(config.get("vocab_size", 0)):
+        mask_id = published
     if mask_id is None:
         raise ValueError("checkpoint names no mask token (config mask_token_id)")
     eos: list[int] = []
@@ -144,6 +152,8 @@ def random_checkpoint(
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02)
+        for b in model.buffers():  # e.g. LLaDA2's expert_bias: to_empty left them unset
+            b.zero_()
     model.eval().requires_grad_(False)
     model.fuse_projections()
     if quantization:

@@ -2,7 +2,8 @@
 
 They carry the published file names (`config.json`, `generation_config.json`, sharded
 `model-0000N-of-0000M.safetensors` + `model.safetensors.index.json`, tokenizer files), config
-keys and tensor names, so the loader meets them exactly as it meets LLaDA-8B or Dream-7B.
+keys and tensor names, so the loader meets them exactly as it meets LLaDA-8B, Dream-7B,
+SDAR-4B-Chat or LLaDA2.0-mini.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .models import DREAM, LLADA, build_model
+from .models import DREAM, LLADA, LLADA2, SDAR, Family, build_model
 from .tokenizer_build import build_char_tokenizer, vocab_size_for
 
 SAMPLE_PROMPTS = [
@@ -92,6 +93,122 @@ def dream_config(vocab: int, ids: dict[str, int], **arch: Any) -> dict[str, Any]
     }
 
 
+def sdar_config(vocab: int, ids: dict[str, int], **arch: Any) -> dict[str, Any]:
+    """An SDAR `config.json` with the published keys (JetAstra/SDAR SDAR-4B-Chat/config.json)."""
+    hidden = arch.get("hidden_size", 64)
+    layers = arch.get("num_hidden_layers", 2)
+    return {
+        "architectures": ["SDARForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|endoftext|>"],
+        "block_size": arch.get("block_size", 4),
+        "mask_token_id": ids["<|MASK|>"],
+        "head_dim": arch.get("head_dim", 16),
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": arch.get("intermediate_size", 4 * hidden),
+        "max_position_embeddings": 4096,
+        "max_window_layers": layers,
+        "model_type": "sdar",
+        "num_attention_heads": arch.get("num_attention_heads", 4),
+        "num_hidden_layers": layers,
+        "num_key_value_heads": arch.get("num_key_value_heads", 2),
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": arch.get("rope_theta", 1000000.0),
+        "sliding_window": None,
+        "tie_word_embeddings": arch.get("tie_word_embeddings", False),
+        "torch_dtype": arch.get("torch_dtype", "float32"),
+        "use_cache": False,
+        "use_sliding_window": False,
+        "vocab_size": vocab,
+    }
+
+
+def llada2_config(vocab: int, ids: dict[str, int], **arch: Any) -> dict[str, Any]:
+    """A LLaDA2 `config.json` with the published (`LLaDA2MoeConfig`) keys, scaled down: 8
+    experts in 4 groups, 2 per token from the 2 best groups, one dense layer first."""
+    hidden = arch.get("hidden_size", 64)
+    return {
+        "architectures": ["LLaDA2MoeModelLM"],
+        "attention_dropout": 0.0,
+        "embedding_dropout": 0.0,
+        "eos_token_id": ids["<|endoftext|>"],
+        "first_k_dense_replace": arch.get("first_k_dense_replace", 1),
+        "head_dim": arch.get("head_dim", 16),
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": arch.get("intermediate_size", 2 * hidden),
+        "max_position_embeddings": 4096,
+        "model_type": "llada2_moe",
+        "moe_intermediate_size": arch.get("moe_intermediate_size", 32),
+        "n_group": arch.get("n_group", 4),
+        "norm_head": False,
+        "norm_topk_prob": True,
+        "num_attention_heads": arch.get("num_attention_heads", 4),
+        "num_experts": arch.get("num_experts", 8),
+        "num_experts_per_tok": arch.get("num_experts_per_tok", 2),
+        "num_hidden_layers": arch.get("num_hidden_layers", 3),
+        "num_key_value_heads": arch.get("num_key_value_heads", 2),
+        "num_shared_experts": arch.get("num_shared_experts", 1),
+        "output_dropout": 0.0,
+        "output_router_logits": False,
+        "pad_token_id": ids["<|endoftext|>"],
+        "partial_rotary_factor": arch.get("partial_rotary_factor", 0.5),
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": arch.get("rope_theta", 600000.0),
+        "routed_scaling_factor": arch.get("routed_scaling_factor", 2.5),
+        "score_function": "sigmoid",
+        "tie_word_embeddings": False,
+        "topk_group": arch.get("topk_group", 2),
+        "torch_dtype": arch.get("torch_dtype", "float32"),
+        "use_bias": False,
+        "use_cache": False,
+        "use_qk_norm": True,
+        "use_qkv_bias": False,
+        "vocab_size": vocab,
+    }
+
+
+FAMILIES: dict[str, Family] = {"llada": LLADA, "dream": DREAM, "sdar": SDAR, "llada2": LLADA2}
+_CONFIGS = {
+    "llada": llada_config,
+    "dream": dream_config,
+    "sdar": sdar_config,
+    "llada2": llada2_config,
+}
+_QK_NORMS = ("q_norm.weight", "k_norm.weight", "query_layernorm.weight", "key_layernorm.weight")
+
+
+def _head_and_embedding(model: torch.nn.Module, fam: Family) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output head's and the input embedding's weights (the same tensor when tied)."""
+    if fam is LLADA:
+        tr = model.model.transformer
+        return tr.ff_out.weight, tr.wte.weight
+    emb = model.model.word_embeddings if fam is LLADA2 else model.model.embed_tokens
+    head = getattr(model, "lm_head", None)
+    return (emb.weight if head is None else head.weight), emb.weight
+
+
+def _generation_config(fam: Family, cfg: dict[str, Any], ids: dict[str, int]) -> dict[str, Any]:
+    eos = ids["<|endoftext|>"]
+    gen: dict[str, Any] = {
+        "bos_token_id": cfg.get("bos_token_id", eos),
+        "eos_token_id": eos,
+        "pad_token_id": eos,
+    }
+    if fam is DREAM:
+        gen["mask_token_id"] = cfg["mask_token_id"]
+    if fam is SDAR:  # as published: end of turn first, then end of text
+        gen["eos_token_id"] = [ids["<|im_end|>"], eos]
+    return gen
+
+
 def write_checkpoint(
     out: Path, config: dict[str, Any], state: dict[str, torch.Tensor], shards: int = 2
 ) -> None:
@@ -140,20 +257,20 @@ def make_tiny_checkpoint(
 ) -> Path:
     """A random checkpoint of `family`; `eos_boost` > 0 makes end-of-text likely (early stop tests)."""
     out = Path(out_dir)
-    fam = LLADA if family == "llada" else DREAM
+    fam = FAMILIES.get(family, DREAM)
     ids = build_char_tokenizer(out, fam.name)
     vocab = vocab_size_for(ids)
     arch.setdefault("torch_dtype", str(dtype).removeprefix("torch."))
-    cfg = (llada_config if fam is LLADA else dream_config)(vocab, ids, **arch)
+    cfg = _CONFIGS[fam.name](vocab, ids, **arch)
     eos = ids["<|endoftext|>"]
-    gen = {"bos_token_id": cfg.get("bos_token_id", eos), "eos_token_id": eos, "pad_token_id": eos}
-    if fam is DREAM:
-        gen["mask_token_id"] = cfg["mask_token_id"]
+    gen = _generation_config(fam, cfg, ids)
     torch.manual_seed(seed)
     model = build_model(fam, cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("ln_f.weight"):
+            if name.endswith(_QK_NORMS):
+                p.fill_(3.0)  # q/k normed per head: attention sharpness comes from these
+            elif name.endswith("norm.weight") or name.endswith("ln_f.weight"):
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.02)
@@ -161,15 +278,17 @@ def make_tiny_checkpoint(
                 p.normal_(0.0, 0.5 / p.shape[-1] ** 0.5 if p.dim() > 1 else 0.02)
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(6.0)  # sharp, position-dependent attention: varied outputs per position
-        head = model.model.transformer.ff_out.weight if fam is LLADA else model.lm_head.weight
-        emb = (
-            model.model.transformer.wte.weight if fam is LLADA else model.model.embed_tokens.weight
-        )
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):  # load balancing bias: small, so it matters
+                b.copy_(torch.randn(b.shape) * 0.05)
+        head, emb = _head_and_embedding(model, fam)
         head.mul_(4.0)
+        mask_id = ids[fam.mask_token]  # LLaDA2's config names none: its tokenizer does
         if eos_boost:
-            _point_row_at_masks(model, head, eos, cfg["mask_token_id"], eos_boost)
-        head[cfg["mask_token_id"]] = 0.0
-        emb.mul_(4.0)
+            _point_row_at_masks(model, head, eos, mask_id, eos_boost)
+        head[mask_id] = 0.0
+        if emb is not head:
+            emb.mul_(4.0)
     state = {k: v.to(dtype) for k, v in model.state_dict().items()}
     write_checkpoint(out, cfg, state)
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))

@@ -2,8 +2,9 @@
 
 Used for the tiny test checkpoints and the embedded default model: one token per character
 keeps arithmetic, reversal and counting learnable by a tiny model, and the special tokens
-and chat templates follow LLaDA's (Llama-3 style) and Dream's (Qwen2 style) mechanics so the
-same code path serves them as the published checkpoints. Saved as `tokenizer.json` +
+and chat templates follow LLaDA's (Llama-3 style), Dream's (Qwen2 style), SDAR's (Qwen3
+ChatML) and LLaDA2's (Ling 2.0 role tags) mechanics so the same code path serves them as the
+published checkpoints. Saved as `tokenizer.json` +
 `tokenizer_config.json`, loadable by `transformers.AutoTokenizer`.
 """
 
@@ -25,6 +26,15 @@ LLADA_SPECIALS = [
     "<|mdm_mask|>",
 ]
 DREAM_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+SDAR_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
+LLADA2_SPECIALS = [
+    "<|endoftext|>",
+    "<|startoftext|>",
+    "<role>",
+    "</role>",
+    "<|role_end|>",
+    "<|mask|>",
+]
 
 LLADA_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -69,21 +79,46 @@ DREAM_CHAT_TEMPLATE = (
 )
 
 
-def build_char_tokenizer(out_dir: str | Path, family: str) -> dict[str, int]:
-    """Write the tokenizer files for `family` ("llada" | "dream"); return special token ids."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    specials = LLADA_SPECIALS if family == "llada" else DREAM_SPECIALS
-    vocab = {c: i for i, c in enumerate(CHARS)}
-    vocab["<unk>"] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")  # newlines too
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
-    tok.save(str(out / "tokenizer.json"))
-    ids = {s: tok.token_to_id(s) for s in specials}
+# SDAR's template is Qwen3's (JetAstra/SDAR training/model/SDAR-4B-Chat/tokenizer_config.json)
+# without its tools and <think> handling: a system turn only when given, then plain ChatML.
+SDAR_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# LLaDA2's is Ling 2.0's (thinking off) without tools: the system turn always opens and ends
+# with "detailed thinking off", turns are <role>ROLE</role>...<|role_end|>, tool results are
+# an OBSERVATION turn.
+LLADA2_CHAT_TEMPLATE = (
+    "<role>SYSTEM</role>{% if messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] + '\n' }}{% endif %}detailed thinking off<|role_end|>"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}<role>HUMAN</role>{{ message['content'] }}<|role_end|>"
+    "{% elif message['role'] == 'system' and not loop.first %}"
+    "<role>SYSTEM</role>{{ message['content'] }}<|role_end|>"
+    "{% elif message['role'] == 'assistant' %}"
+    "<role>ASSISTANT</role>{{ message['content'] }}<|role_end|>"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "<role>OBSERVATION</role>{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|role_end|>{% endif %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<role>ASSISTANT</role>{% endif %}"
+)
+
+_SPECIALS = {
+    "llada": LLADA_SPECIALS,
+    "dream": DREAM_SPECIALS,
+    "sdar": SDAR_SPECIALS,
+    "llada2": LLADA2_SPECIALS,
+}
+
+
+def _tokenizer_config(family: str) -> dict:
+    """tokenizer_config.json of `family` (key order kept: the files stay byte-identical)."""
     if family == "llada":
-        cfg = {
+        return {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": "<|startoftext|>",
             "eos_token": "<|endoftext|>",
@@ -93,17 +128,39 @@ def build_char_tokenizer(out_dir: str | Path, family: str) -> dict[str, int]:
             "chat_template": LLADA_CHAT_TEMPLATE,
             "model_max_length": 4096,
         }
+    if family == "sdar":
+        mask, template, bos = "<|MASK|>", SDAR_CHAT_TEMPLATE, None
+    elif family == "llada2":
+        mask, template, bos = "<|mask|>", LLADA2_CHAT_TEMPLATE, "<|startoftext|>"
     else:
-        cfg = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": None,
-            "eos_token": "<|endoftext|>",
-            "pad_token": "<|endoftext|>",
-            "mask_token": "<|mask|>",
-            "unk_token": "<unk>",
-            "chat_template": DREAM_CHAT_TEMPLATE,
-            "model_max_length": 4096,
-        }
+        mask, template, bos = "<|mask|>", DREAM_CHAT_TEMPLATE, None
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "mask_token": mask,
+        "unk_token": "<unk>",
+        "chat_template": template,
+        "model_max_length": 4096,
+    }
+
+
+def build_char_tokenizer(out_dir: str | Path, family: str) -> dict[str, int]:
+    """Write the tokenizer files for `family` ("llada" | "dream" | "sdar" | "llada2"); return
+    special token ids. Any other name gets Dream's tokenizer, as before."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    specials = _SPECIALS.get(family, DREAM_SPECIALS)
+    vocab = {c: i for i, c in enumerate(CHARS)}
+    vocab["<unk>"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")  # newlines too
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    tok.save(str(out / "tokenizer.json"))
+    ids = {s: tok.token_to_id(s) for s in specials}
+    cfg = _tokenizer_config(family)
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
     (out / "special_tokens_map.json").write_text(
         json.dumps({k: v for k, v in cfg.items() if k.endswith("_token") and v}, indent=2)

@@ -1,0 +1,111 @@
+"""Mixture-of-experts pieces for LLaDA2 (BailingMoeV2 layout): group-limited sigmoid routing
+and the experts as grouped GEMMs.
+
+Routing follows inclusionAI's published `modeling_llada2_moe.py` (`LLaDA2MoeGate`) step by
+step, in float32: sigmoid scores; `expert_bias` added only to choose experts; a group's score
+is the sum of its two best biased scores; the `topk_group` best groups stay eligible; the top-k
+experts among them are chosen; their weights are the *unbiased* scores, renormalised (when
+k > 1) and scaled by `routed_scaling_factor`.
+
+The experts run as two grouped GEMMs over tokens sorted by expert (`torch._grouped_mm`, the
+kernel the H100 uses; it also runs on CPU), never as a Python loop over experts. No step
+waits on the host (no `.item()`, no data-dependent shapes), so the layer can be captured in a
+CUDA graph. Where `_grouped_mm` is unavailable for a device and dtype, a per-row gathered
+`torch.bmm` computes the same products.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from .common import silu_mul
+
+log = logging.getLogger(__name__)
+
+_GROUPED_MM_FAILED: set[tuple[str, torch.dtype]] = set()
+_BMM_CHUNK_ELEMENTS = 1 << 26  # gathered expert weights per fallback chunk (bounds memory)
+
+
+def route(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    expert_bias: torch.Tensor,
+    *,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+    normalize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chosen experts [N, k] (int64) and their weights [N, k] (float32) for tokens x [N, H]."""
+    logits = F.linear(x.float(), gate_weight.float())
+    scores = torch.sigmoid(logits)
+    biased = scores + expert_bias.float()
+    n, n_experts = biased.shape
+    grouped = biased.view(n, n_group, n_experts // n_group)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    keep_groups = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)
+    eligible = group_mask[..., None].expand_as(grouped).reshape(n, n_experts)
+    chosen = biased.masked_fill(~eligible, float("-inf")).topk(top_k, dim=-1).indices
+    weights = scores.gather(1, chosen)
+    if top_k > 1 and normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return chosen, weights * routed_scaling_factor
+
+
+def _gathered_bmm(x: torch.Tensor, w: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+    """x [M, in] times w[expert_of_row[m]] [in, out] per row, in bounded chunks of rows."""
+    out = x.new_empty(x.shape[0], w.shape[-1])
+    step = max(1, _BMM_CHUNK_ELEMENTS // (w.shape[1] * w.shape[2]))
+    for s in range(0, x.shape[0], step):
+        e = expert_of_row[s : s + step]
+        out[s : s + step] = torch.bmm(x[s : s + step, None], w[e]).squeeze(1)
+    return out
+
+
+def grouped_linear(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, expert_of_row: torch.Tensor
+) -> torch.Tensor:
+    """Rows of x [M, in] sorted by expert, times w [E, in, out]; `offs` [E] int32 holds the
+    cumulative row counts (group e is rows offs[e-1]:offs[e])."""
+    key = (x.device.type, x.dtype)
+    if key not in _GROUPED_MM_FAILED:
+        try:
+            return torch._grouped_mm(x, w, offs=offs)
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError) as exc:
+            log.warning("torch._grouped_mm unavailable for %s %s (%s): gathered bmm", *key, exc)
+            _GROUPED_MM_FAILED.add(key)
+    return _gathered_bmm(x, w, expert_of_row)
+
+
+def run_experts(
+    x: torch.Tensor,
+    chosen: torch.Tensor,
+    weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
+    """Sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)).
+
+    x [N, H]; chosen/weights [N, k]; w_gate_up [E, H, 2I] (gate columns, then up);
+    w_down [E, I, H]. The weighted sum is taken in float32, as published."""
+    n, k = chosen.shape
+    if n == 0:
+        return x.new_zeros(x.shape)
+    flat = chosen.reshape(-1)
+    order = flat.argsort(stable=True)
+    expert_of_row = flat[order]
+    counts = torch.zeros(w_gate_up.shape[0], dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = counts.cumsum(0, dtype=torch.int32)
+    xs = x[order // k]
+    gate, up = grouped_linear(xs, w_gate_up, offs, expert_of_row).chunk(2, dim=-1)
+    ys = grouped_linear(silu_mul(gate, up), w_down, offs, expert_of_row)
+    unsorted = torch.empty_like(ys)
+    unsorted[order] = ys
+    out = (unsorted.view(n, k, -1).float() * weights[..., None].float()).sum(dim=1)
+    return out.to(x.dtype)

@@ -1,0 +1,167 @@
+"""SDAR (JetLM/SDAR-1.7B/4B/8B-Chat): a Qwen3-layout transformer run block-causally.
+
+SDAR denoises `block_size` tokens at a time: a token attends to every key of its own block
+and of the blocks before it, never after (the engine passes that as a per-query key mask).
+Module names mirror the published checkpoint (`model.embed_tokens`,
+`model.layers.N.self_attn.{q,k,v,o}_proj`, `self_attn.{q,k}_norm`, `mlp.{gate,up,down}_proj`,
+`model.norm`, `lm_head`), checked against JetAstra/SDAR `training/model/SDAR-4B-Chat/
+modeling_sdar.py`. As in Qwen3, q and k are RMS-normed per head before the rotary embedding,
+and `head_dim` is its own config key (SDAR-4B: hidden 2560, 32 heads, head_dim 128). Logits
+are unshifted: position i predicts token i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .common import (
+    BidirectionalLM,
+    ForwardBatch,
+    QKVHeads,
+    RMSNorm,
+    apply_rope,
+    fuse_gate_up,
+    gated_mlp,
+)
+
+
+@dataclass(frozen=True)
+class SDARArch:
+    """The architecture keys of an SDAR `config.json` (Qwen3 names plus `block_size`)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    block_size: int
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> SDARArch:
+        if cfg.get("rope_scaling"):
+            raise ValueError(f"unsupported SDAR rope_scaling {cfg['rope_scaling']!r}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported SDAR hidden_act {cfg.get('hidden_act')!r}")
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        return cls(
+            hidden_size=hidden,
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            # configuration_sdar.SDARConfig defaults: untied, no attention bias, blocks of 4
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            block_size=int(cfg.get("block_size") or 4),
+        )
+
+
+class SDARAttention(QKVHeads, nn.Module):
+    def __init__(self, a: SDARArch) -> None:
+        super().__init__()
+        self.head_dim = a.head_dim
+        self.n_heads, self.n_kv_heads = a.num_attention_heads, a.num_key_value_heads
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(a.hidden_size, q_dim, bias=a.attention_bias)
+        self.k_proj = nn.Linear(a.hidden_size, kv_dim, bias=a.attention_bias)
+        self.v_proj = nn.Linear(a.hidden_size, kv_dim, bias=a.attention_bias)
+        self.o_proj = nn.Linear(q_dim, a.hidden_size, bias=a.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, a.rms_norm_eps)  # per head, before RoPE
+        self.k_norm = RMSNorm(self.head_dim, a.rms_norm_eps)
+        self.qkv: nn.Linear | None = None  # set by fuse_projections()
+
+    def forward(self, h: torch.Tensor, rope, batch: ForwardBatch, layer: int) -> torch.Tensor:
+        b, t, _ = h.shape
+        q, k, v = self.qkv_heads(h)
+        q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin, in_fp32=False), apply_rope(k, cos, sin, in_fp32=False)
+        return self.o_proj(batch.attend(layer, q, k, v).transpose(1, 2).reshape(b, t, -1))
+
+
+class SDARMLP(nn.Module):
+    def __init__(self, a: SDARArch) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.gate_up: nn.Linear | None = None  # set by fuse_projections()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gated_mlp(self, "gate_proj", "up_proj", x))
+
+
+class SDARLayer(nn.Module):
+    def __init__(self, a: SDARArch) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = SDARAttention(a)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = SDARMLP(a)
+
+    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch, layer: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, batch, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, a: SDARArch) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(SDARLayer(a) for _ in range(a.num_hidden_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+
+class SDARModel(BidirectionalLM):
+    """`SDARForCausalLM` weights; logits are unshifted, attention block-causal (by the mask)."""
+
+    def __init__(self, arch: SDARArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = _Backbone(arch)
+        if not arch.tie_word_embeddings:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.head_dim = arch.head_dim
+        self.rope_theta = arch.rope_theta
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    @property
+    def block_size(self) -> int:
+        """The denoising block the checkpoint was trained with (config `block_size`)."""
+        return self.arch.block_size
+
+    def fuse_projections(self) -> None:
+        """Fused q/k/v and gate/up layers (after loading weights)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_qkv()
+            fuse_gate_up(layer.mlp, "gate_proj", "up_proj")
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    def blocks(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.model.norm(h)
+        if self.arch.tie_word_embeddings:
+            return F.linear(h, self.model.embed_tokens.weight)
+        return self.lm_head(h)
