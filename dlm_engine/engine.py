@@ -76,6 +76,12 @@ class Engine:
         self.mask_token = lm.tokenizer.convert_ids_to_tokens(lm.mask_id)
         self.structured = StructuredOutput(lm, self.runner)  # grammar-constrained rows
         self.prompt_byte_cap = prompt_byte_cap(lm.tokenizer, config.max_prompt)
+        # issue 16: a block-diffusion model's trained block (SDAR config `block_size`); 0 = not
+        self.model_block = (
+            int(lm.config.get("block_size") or lm.family.default_block_length)
+            if getattr(lm.family, "block_diffusion", False)
+            else 0
+        )
 
     # ---- requests -------------------------------------------------------------------------
     def encode_prompt(
@@ -185,6 +191,7 @@ class Engine:
                 max_canvas=self.config.max_canvas,
                 default_max_tokens=self.config.default_max_tokens,
                 model_defaults=self.loaded.decoding_defaults,
+                model_block=self.model_block,
             )
         )
 
@@ -271,7 +278,7 @@ class Engine:
     def _output_for(self, seq: Sequence, now: float) -> RequestOutput | None:
         st = self._texts[seq.request_id]
         # max_nfe spent: the last forward committed the active block; the request ends there.
-        done_canvas = seq.mask_id not in seq.canvas or seq.nfe_spent
+        done_canvas = seq.canvas_done or seq.nfe_spent
         update = st.update(seq.committed_prefix(), canvas_complete=done_canvas)
         if update.finished:
             seq.finished = True

@@ -90,6 +90,12 @@ class ModelRunner:
         rows of classifier-free guidance (prompt masked). Cached rows store their keys."""
         rows: list[RowQuery] = []
         for s in seqs:
+            if s.layout is not None:  # block diffusion: from the first non-final key on
+                end = s.block_end
+                slot = self.slots[s.request_id]
+                toks = s.tokens[s.kv_upto : end]
+                rows.append(RowQuery(toks, s.kv_upto, end, s.window_start, slot, s.layout.block))
+                continue
             slot = self.slots[s.request_id] if s.params.cache != "none" else None
             if s.params.cache == "none" or s.step_in_block == 0:
                 rows.append(RowQuery(s.tokens, 0, s.length, s.window_start, slot))
@@ -110,11 +116,12 @@ class ModelRunner:
         width = max(s.window_width for s in seqs)
         if any(s.multi is not None for s in seqs):  # multi-block widths vary: bucket them
             width = round_up(width, self.length_multiple)
-        cached = [s for s in seqs if s.params.cache != "none"]
+        cached = [s for s in seqs if s.params.cache != "none" or s.layout is not None]
         if cached:
             self._ensure_slots(cached)
-            self.refreshes += any(s.step_in_block == 0 for s in cached)
-            self.span_steps += any(s.step_in_block > 0 for s in cached)
+            fast = [s for s in cached if s.layout is None]  # Fast-dLLM's approximate caches
+            self.refreshes += any(s.step_in_block == 0 for s in fast)
+            self.span_steps += any(s.step_in_block > 0 for s in fast)
         pool = self.pool if cached else None
         plan = plan_packed(
             self._queries(seqs),
@@ -165,9 +172,8 @@ class ModelRunner:
                 dtype = next(p.dtype for p in m.parameters() if p.is_floating_point())
                 if dtype not in (torch.float32, torch.float16, torch.bfloat16):
                     dtype = torch.bfloat16
-                self.pool = KVPool(
-                    n_layers, self.max_rows, kv, hidden // heads, length, dtype, self.device
-                )
+                head_dim = int(getattr(m, "head_dim", 0) or hidden // heads)  # Qwen3: explicit
+                self.pool = KVPool(n_layers, self.max_rows, kv, head_dim, length, dtype, self.device)
             else:
                 self.pool = self.pool.grown(length)
             if self.graphs is not None:

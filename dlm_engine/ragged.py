@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .kv_cache import KVPool
 from .models.common import attention
@@ -49,13 +50,21 @@ class RowQuery:
     length: int
     window_start: int
     slot: int | None = None
+    block: int = 0  # block-diffusion rows (issue 16): block-causal attention over the slot
 
     @property
     def span(self) -> bool:
         return self.pos0 > 0 or self.tokens.numel() < self.length
 
+    @property
+    def group(self) -> str:
+        if self.block:
+            return "block"
+        return "span" if self.span else "fresh"
 
-GROUPS = ("fresh", "span")  # attention groups: over own fresh keys, over the pool
+
+# attention groups: over own fresh keys, over the pool, block-causal over the pool (issue 16)
+GROUPS = ("fresh", "span", "block")
 
 
 def packed_bucket(n: int) -> int:
@@ -66,7 +75,16 @@ def packed_bucket(n: int) -> int:
     return -(-n // step) * step
 
 
-Layout = tuple[tuple[str, int, int, bool], ...]  # per group: name, rows, Tq, identity
+# per group: name, rows, Tq, identity, keys (the block group's key span; 0 for the others)
+Layout = tuple[tuple[str, int, int, bool, int], ...]
+
+
+def block_query_bucket(n: int) -> int:
+    """Query-width bucket of the block group: powers of two up to 32 (SDAR's blocks are 4-32
+    tokens, so a decoding step pads little), then multiples of 32 (first steps: prompts)."""
+    if n <= 32:
+        return 1 << max(0, (n - 1).bit_length())
+    return -(-n // 32) * 32
 
 
 class PackedAttention:
@@ -83,7 +101,10 @@ class PackedAttention:
         """q [1, H, N, D], k/v [1, KV, N, D] packed -> attention output [1, H, N, D]."""
         qt, kt, vt = (t[0].transpose(0, 1) for t in (q, k, v))  # token-major [N, heads, D]
         outs = []
-        for g, rows, tq, identity in self.layout:
+        for g, rows, tq, identity, keys in self.layout:
+            if g == "block":
+                outs.append(self._block(layer, qt, kt, vt, rows, tq, keys))
+                continue
             if identity:  # packed order is the padded order: views, no gather
                 qp, kp, vp = (t.reshape(rows, tq, *t.shape[1:]) for t in (qt, kt, vt))
             else:
@@ -106,6 +127,25 @@ class PackedAttention:
         if "out_index" in self.x:
             flat = flat[self.x["out_index"]]
         return flat[None].transpose(1, 2)
+
+    def _block(self, layer: int, qt, kt, vt, rows: int, tq: int, keys: int) -> torch.Tensor:
+        """Block-causal rows over the pool: batch row r is pool slot r (so keys are a view of
+        the pool, never a gathered copy); fresh keys are written at their absolute positions
+        first, then each query attends to the keys before its own block's end."""
+        idx = self.x["block_q_index"]  # [rows, Tq] packed index of slot r's query j
+        qp, kp, vp = qt[idx], kt[idx], vt[idx]  # [rows, Tq, heads, D]
+        where = (self.x["block_slots"][:, None], self.x["block_write_pos"])
+        self.pool.k[layer][where] = kp
+        self.pool.v[layer][where] = vp
+        k = self.pool.k[layer][:rows, :keys].transpose(1, 2)  # [rows, KV, S, D] (a view)
+        v = self.pool.v[layer][:rows, :keys].transpose(1, 2)
+        limit = self.x["block_limit"]  # [rows, Tq]: keys before this position are visible
+        mask = torch.arange(keys, device=limit.device)[None, None, :] < limit[:, :, None]
+        q = qp.transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1]
+        )
+        return out.transpose(1, 2).reshape(rows * tq, out.shape[1], out.shape[3])
 
 
 @dataclass
@@ -148,11 +188,17 @@ def plan_packed(
     inputs: dict[str, torch.Tensor] = {}
     flat_of_row = torch.zeros(n_rows, dtype=torch.long)  # where each row's outputs start
     base, attn_pairs = 0, 0
-    layout: list[tuple[str, int, int, bool]] = []
-    kinds = [q.span for q in queries]
+    layout: list[tuple[str, int, int, bool, int]] = []
+    kinds = [q.group for q in queries]
     for g in GROUPS:
-        members = [i for i, span in enumerate(kinds) if span == (g == "span")]
+        members = [i for i, kind in enumerate(kinds) if kind == g]
         if not members:
+            continue
+        if g == "block":
+            base, attn_pairs = _plan_block(
+                queries, members, inputs, layout, flat_of_row, base, attn_pairs,
+                qlens=qlens, offsets=offsets, pool=pool, bucket=bucket,
+            )  # fmt: skip
             continue
         sel = torch.tensor(members)
         gl = qlens[sel]
@@ -161,7 +207,7 @@ def plan_packed(
         tq = round_up(int(gl.max()), query_multiple)
         ar = torch.arange(tq)
         identity = len(set(kinds)) == 1 and not pad and not tail and bool((gl == tq).all())
-        layout.append((g, rows, tq, identity))
+        layout.append((g, rows, tq, identity, 0))
 
         def padded(t: torch.Tensor, value: int, pad: int = pad) -> torch.Tensor:
             return torch.cat([t, t.new_full((pad, *t.shape[1:]), value)]) if pad else t
@@ -198,7 +244,7 @@ def plan_packed(
     row_of = torch.from_numpy(np.repeat(np.arange(n_rows), qlens.numpy()))
     j_of = torch.arange(n_real) - offsets[row_of]
     zeros = torch.zeros(tail, dtype=torch.long)
-    if not all(identity for *_, identity in layout):
+    if not all(identity for _, _, _, identity, _ in layout):
         inputs["out_index"] = torch.cat([flat_of_row[row_of] + j_of, zeros])
     inputs["positions"] = torch.cat([pos0[row_of] + j_of, zeros])[None]
     wstart = torch.tensor([q.window_start for q in queries])
@@ -222,6 +268,57 @@ def plan_packed(
     moved["ids"] = ids[None]
     current = window(0).to(device, non_blocking=True)
     return PackedPlan(moved, current, tuple(layout), n_rows, n_real, attn_pairs)
+
+
+def _plan_block(
+    queries: list[RowQuery],
+    members: list[int],
+    inputs: dict[str, torch.Tensor],
+    layout: list,
+    flat_of_row: torch.Tensor,
+    base: int,
+    attn_pairs: int,
+    *,
+    qlens: torch.Tensor,
+    offsets: torch.Tensor,
+    pool: KVPool,
+    bucket: bool,
+) -> tuple[int, int]:
+    """Index tensors of the block group: one batch row per pool slot up to the highest slot
+    in use (idle slots attend to one key and write to the spare position)."""
+    from .cuda_graphs import bucket_rows, round_up
+
+    slots = [queries[i].slot for i in members]
+    rows = max(slots) + 1
+    if bucket:
+        rows = min(bucket_rows(rows), pool.rows)
+    gl = [int(qlens[i]) for i in members]
+    tq = block_query_bucket(max(gl)) if bucket else max(gl)
+    keys = max(queries[i].length for i in members)
+    keys = min(round_up(keys, 64), pool.length + 1) if bucket else keys
+    # numpy, vectorised over rows: a Python loop of small torch ops cost ~30 us a row
+    sl = np.array(slots)
+    n = np.array(gl)
+    pos = np.array([queries[i].pos0 for i in members])[:, None] + np.arange(tq)[None, :]
+    blk = np.array([queries[i].block for i in members])[:, None]
+    end = np.array([queries[i].length for i in members])[:, None]
+    valid = np.arange(tq)[None, :] < n[:, None]
+    off = offsets.numpy()[members][:, None]
+    q_index = np.zeros((rows, tq), dtype=np.int64)
+    q_index[sl] = off + np.minimum(np.arange(tq)[None, :], n[:, None] - 1)
+    write = np.full((rows, tq), pool.trash_pos, dtype=np.int64)
+    write[sl] = np.where(valid, pos, pool.trash_pos)
+    limit = np.ones((rows, tq), dtype=np.int64)  # idle: key 0 only (no empty softmax)
+    limit[sl] = np.where(valid, np.minimum((pos // blk + 1) * blk, end), 1)
+    flat_of_row[members] = torch.from_numpy(base + sl * tq)
+    attn_pairs += int((n * end[:, 0]).sum())
+    q_index, write, limit = (torch.from_numpy(a) for a in (q_index, write, limit))
+    inputs["block_q_index"] = q_index
+    inputs["block_write_pos"] = write
+    inputs["block_slots"] = torch.arange(rows)
+    inputs["block_limit"] = limit
+    layout.append(("block", rows, tq, False, keys))
+    return base + rows * tq, attn_pairs
 
 
 def packed_forward_fn(model: torch.nn.Module, pool: KVPool | None, width: int, layout: Layout):

@@ -15,6 +15,7 @@ from typing import Any
 from dlm_protocol import PARAMS, parse_params
 from dlm_protocol.params import (
     ALGORITHMS,
+    BLOCK_ALGORITHMS,
     CACHE_MODES,
     DEFAULT_THRESHOLD,
     MAX_ENTROPY_THRESHOLD,
@@ -109,6 +110,9 @@ class ResolvedParams:
     tools: ToolSpec | None = None  # issue 17: tool calling (tools.py); None also for `none`
     score: int | None = None  # issue 17: score the prompt with this many MC samples (scoring.py)
     priority: int = 0  # issue 14: admission order, lower first (scheduler.py)
+    # issue 16: a block-diffusion model's request: blocks aligned to absolute positions,
+    # `steps` counted per block (block_diffusion.py)
+    block_diffusion: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -116,6 +120,8 @@ class ResolvedParams:
 
     @property
     def steps_per_block(self) -> int:
+        if self.block_diffusion:
+            return self.steps
         return self.steps // self.num_blocks
 
 
@@ -136,12 +142,22 @@ def resolve(
     max_canvas: int,
     default_max_tokens: int,
     model_defaults: dict[str, Any] | None = None,
+    model_block: int = 0,
 ) -> ResolvedParams:
     """Check `p` against the family and limits, fill defaults; raise on the first bad field.
 
     `model_defaults` are the checkpoint's own decoding defaults (e.g. d3LLM's multi-block
-    settings), applied to keys the request left unset."""
+    settings), applied to keys the request left unset. `model_block` > 0 marks a
+    block-diffusion model (SDAR, LLaDA2) and is its trained block length."""
     p = apply_model_defaults(p, model_defaults)
+    if model_block:
+        return resolve_block_diffusion(
+            p,
+            family=family,
+            model_block=model_block,
+            max_canvas=max_canvas,
+            default_max_tokens=default_max_tokens,
+        )
     uses_blocks = uses_blocks or wants_blocks(p)
     max_tokens = min(default_max_tokens, max_canvas) if p.max_tokens is None else p.max_tokens
     if max_tokens > max_canvas:
@@ -406,4 +422,94 @@ def resolve_acceleration(
         block_add_threshold=pick(p.block_add_threshold, DEFAULT_BLOCK_ADD_THRESHOLD),
         decoded_token_threshold=pick(p.decoded_token_threshold, DEFAULT_DECODED_TOKEN_THRESHOLD),
         max_active_blocks=p.max_active_blocks,
+    )
+
+
+# ==== issue 16: block-diffusion models (SDAR generate.py `block_diffusion_generate`, LLaDA2
+# `generate`). Published defaults: SDAR confidence_threshold 0.85 and eb_threshold 0.35,
+# LLaDA2 threshold 0.95. ====
+
+BLOCK_CONFIDENCE_DEFAULTS = {"sdar": 0.85, "llada2": 0.95}
+DEFAULT_EB_THRESHOLD = 0.35
+_NOT_FOR_BLOCKS = {
+    "cfg_scale": lambda p: p.cfg_scale > 0,
+    "alg_temp": lambda p: bool(p.alg_temp),
+    "multi_block": lambda p: wants_multi_block(p),
+    "use_local_leap": lambda p: bool(p.use_local_leap),
+    "factor": lambda p: p.factor is not None,
+    "anchor_threshold": lambda p: p.anchor_threshold is not None,
+    "neighbor_threshold": lambda p: p.neighbor_threshold is not None,
+    "leap_radius": lambda p: p.leap_radius is not None,
+}
+
+
+def resolve_block_diffusion(
+    p: SamplingParams,
+    *,
+    family: str,
+    model_block: int,
+    max_canvas: int,
+    default_max_tokens: int,
+) -> ResolvedParams:
+    """A block-diffusion request: `steps` per block (at most the block), one of the published
+    commit rules, the block the model was trained with unless the request names one. The
+    keys of the LLaDA/Dream accelerations do not apply and are refused by name."""
+    for key, given in _NOT_FOR_BLOCKS.items():
+        if given(p):
+            raise InvalidRequestError(key, f"does not apply to block-diffusion models ({family})")
+    if p.cache not in ("none", None):
+        raise InvalidRequestError(
+            "cache",
+            "block-diffusion models always decode over their exact KV cache of finished "
+            "blocks; prefix/dual apply to LLaDA and Dream",
+        )
+    max_tokens = min(default_max_tokens, max_canvas) if p.max_tokens is None else p.max_tokens
+    if max_tokens > max_canvas:
+        raise InvalidRequestError("max_tokens", f"must be <= {max_canvas} (server limit)")
+    block = model_block if p.block_length is None else p.block_length
+    steps = block if p.steps is None else p.steps
+    if steps > block:
+        raise InvalidRequestError("steps", f"counts steps per block: at most block_length ({block})")
+    if family == "llada2":  # LLaDA2 generate(): steps = min(steps, gen_length // minimal_topk)
+        steps = min(steps, max_tokens)
+    algorithm = p.algorithm or "low_confidence_dynamic"
+    if algorithm not in BLOCK_ALGORITHMS:
+        raise InvalidRequestError(
+            "algorithm",
+            f"block-diffusion models take {', '.join(BLOCK_ALGORITHMS)} (got {algorithm})",
+        )
+    threshold = p.threshold
+    if algorithm == "low_confidence_dynamic" and threshold is None:
+        threshold = BLOCK_CONFIDENCE_DEFAULTS.get(family, DEFAULT_THRESHOLD)
+    if algorithm == "entropy_bounded" and threshold is None:
+        threshold = DEFAULT_EB_THRESHOLD
+    if threshold is not None and algorithm in ("low_confidence_static", "sequential"):
+        raise InvalidRequestError("threshold", f"algorithm {algorithm} takes no threshold")
+    if algorithm == "low_confidence_dynamic" and threshold > 1.0:
+        raise InvalidRequestError("threshold", "must be in (0, 1] for low_confidence_dynamic")
+    tools = resolve_tools(p.tools, p.tool_choice, p.parallel_tool_calls)
+    constraint = _constraint(p, tools)
+    return ResolvedParams(
+        max_tokens=max_tokens,
+        steps=steps,
+        block_length=block,
+        algorithm=algorithm,
+        threshold=threshold,
+        temperature=numerically_safe(p.temperature),
+        top_p=p.top_p,
+        top_k=p.top_k,
+        alg_temp=None,
+        cfg_scale=0.0,
+        seed=p.seed,
+        stop=tuple(p.stop),
+        stream_mode=p.stream_mode,
+        suppress_eos=p.suppress_eos,
+        cache="none",
+        max_nfe=p.max_nfe,
+        constraint=constraint,
+        logprobs=p.logprobs,
+        tools=tools,
+        score=_score(p, constraint),
+        priority=p.priority,
+        block_diffusion=True,
     )

@@ -44,12 +44,12 @@ class Scheduler:
         """Move waiting requests into the batch, lowest priority value first (arrival order
         among equals), while rows and tokens allow (at least one)."""
         rows = sum(s.rows for s in self.running)
-        tokens = sum(s.length * s.rows for s in self.running)
+        tokens = sum(s.step_tokens * s.rows for s in self.running)
         in_phase = self._cached_rows_in_phase()
         for seq in sorted(self.waiting, key=_priority):  # stable: FIFO within a priority
             fits = (
                 rows + seq.rows <= self.max_rows
-                and tokens + seq.length * seq.rows <= self.max_step_tokens
+                and tokens + seq.step_tokens * seq.rows <= self.max_step_tokens
             )
             if self.running and not fits:
                 break
@@ -59,7 +59,7 @@ class Scheduler:
             self._held.pop(seq.request_id, None)
             self.running.append(seq)
             rows += seq.rows
-            tokens += seq.length * seq.rows
+            tokens += seq.step_tokens * seq.rows
 
     def _cached_rows_in_phase(self) -> bool:
         """True when a cached row joining now would refresh together with the running ones."""

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .block_diffusion import BlockLayout
 from .decoding import DreamSchedule, llada_block_schedule
 from .decoding.multi_block import MultiBlockState
 from .sampling_params import ResolvedParams
@@ -39,8 +40,16 @@ class Sequence:
         self.family = family
         self.mask_id = mask_id
         self.prompt_len = len(prompt_ids)
-        self.tokens = torch.tensor(prompt_ids + [mask_id] * params.max_tokens, device=device)
-        self.canvas: list[int] = [mask_id] * params.max_tokens
+        # issue 16: block-diffusion rows decode absolute-aligned blocks over an exact KV cache
+        self.layout = (
+            BlockLayout(self.prompt_len, params.block_length, params.max_tokens)
+            if params.block_diffusion
+            else None
+        )
+        self.kv_upto = 0  # block rows: first position whose cached keys are not final
+        canvas_len = self.layout.canvas_len if self.layout else params.max_tokens
+        self.tokens = torch.tensor(prompt_ids + [mask_id] * canvas_len, device=device)
+        self.canvas: list[int] = [mask_id] * canvas_len
         self.generator: torch.Generator | None = None
         if params.temperature > 0 or params.algorithm in ("random", "origin") or params.alg_temp:
             self.generator = torch.Generator(device=device)
@@ -48,9 +57,8 @@ class Sequence:
                 self.generator.seed()
             else:
                 self.generator.manual_seed(params.seed)
-        self.block = 0
+        self.block = self.layout.first_block if self.layout else 0
         self.step_in_block = 0
-        self.masks_in_block = params.block_length
         self.forwards = 0
         self.sent_text = ""
         self.finished = False
@@ -67,16 +75,19 @@ class Sequence:
             if params.accel.multi_block
             else None
         )
+        self.masks_in_block = self.window_width
 
     @property
     def length(self) -> int:
-        return self.prompt_len + self.params.max_tokens
+        return self.prompt_len + len(self.canvas)
 
     @property
     def window_start(self) -> int:
         """Absolute position of the active block's first token."""
         if self.multi is not None:
             return self.prompt_len + self.multi.window()[0]
+        if self.layout is not None:
+            return self.layout.window(self.block)[0]
         return self.prompt_len + self.block * self.params.block_length
 
     @property
@@ -84,7 +95,23 @@ class Sequence:
         if self.multi is not None:
             lo, hi = self.multi.window()
             return hi - lo
+        if self.layout is not None:
+            lo, hi = self.layout.window(self.block)
+            return hi - lo
         return self.params.block_length
+
+    @property
+    def block_end(self) -> int:
+        """Block rows: absolute end of the active block (the end of this step's query)."""
+        return self.window_start + self.window_width
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens this row feeds a forward (the scheduler's budget): the whole sequence, or a
+        block row's query from its first non-final cached position."""
+        if self.layout is not None:
+            return self.block_end - self.kv_upto
+        return self.length
 
     @property
     def last_forward(self) -> bool:
@@ -111,7 +138,7 @@ class Sequence:
         """Tokens the family's schedule commits at this step (unused in threshold mode)."""
         if self.step_in_block >= self.params.steps_per_block or self.last_forward:
             return self.masks_in_block  # budget spent: commit what is left
-        if self.family == "llada":
+        if self.family == "llada" or self.layout is not None:  # SDAR / LLaDA2: the same
             return self._llada_schedule[self.step_in_block]
         return self._dream_schedule.count(self.step_in_block, self.masks_in_block)
 
@@ -131,14 +158,24 @@ class Sequence:
         self.masks_in_block = sum(1 for t in window_tokens if t == self.mask_id)
         self.forwards += 1
         self.step_in_block += 1
-        if self.masks_in_block == 0 and self.block + 1 < self.params.num_blocks:
+        if self.layout is not None:  # keys up to the active block's start are final now
+            self.kv_upto = self.block * self.params.block_length
+        last = self.layout.num_blocks if self.layout else self.params.num_blocks
+        if self.masks_in_block == 0 and self.block + 1 < last:
             self.block += 1
             self.step_in_block = 0
-            self.masks_in_block = self.params.block_length
+            self.masks_in_block = self.window_width
+
+    @property
+    def canvas_done(self) -> bool:
+        """Every position the request returns is committed (block rows: the first
+        `max_tokens`; positions past it only complete the last block)."""
+        return self.mask_id not in self.canvas[: self.params.max_tokens]
 
     def committed_prefix(self) -> list[int]:
         """The canvas up to its first mask: text that can no longer change."""
+        canvas = self.canvas[: self.params.max_tokens]
         try:
-            return self.canvas[: self.canvas.index(self.mask_id)]
+            return canvas[: canvas.index(self.mask_id)]
         except ValueError:
-            return list(self.canvas)
+            return list(canvas)

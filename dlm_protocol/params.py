@@ -23,6 +23,13 @@ from typing import Any
 from . import structure_shapes
 from .errors import InvalidRequestError
 
+# issue 16: the commit rules of block-diffusion models (SDAR `remasking_strategy`)
+BLOCK_ALGORITHMS = (
+    "low_confidence_dynamic",
+    "low_confidence_static",
+    "sequential",
+    "entropy_bounded",
+)
 ALGORITHMS = (
     "low_confidence",
     "random",
@@ -35,6 +42,9 @@ ALGORITHMS = (
     "factor",
     "local_leap",
     "entropy_threshold",
+    # issue 16: block-diffusion families (SDAR's remasking strategies; LLaDA2's threshold rule
+    # is low_confidence_dynamic)
+    *BLOCK_ALGORITHMS,
 )
 STREAM_MODES = ("delta", "denoise")
 CACHE_MODES = ("none", "prefix", "dual")
@@ -235,9 +245,10 @@ PARAMS: tuple[Param, ...] = (
         "committed per step.",
         default_doc="= `max_tokens` (one token per step)",
         minimum=1,
-        aliases=("num_denoising_steps", "diffusion_steps"),
+        aliases=("num_denoising_steps", "diffusion_steps", "denoising_steps"),
         relations="at most `max_tokens`, divisible by the number of blocks "
-        "(`max_tokens / block_length`)",
+        "(`max_tokens / block_length`); block-diffusion models (SDAR, LLaDA2): steps per "
+        "block, at most `block_length`, default `block_length`",
         examples=(8, 0),
     ),
     Param(
@@ -249,7 +260,9 @@ PARAMS: tuple[Param, ...] = (
         "`steps`; Dream: `max_tokens`",
         minimum=1,
         aliases=("block_size",),
-        relations="must divide `max_tokens`",
+        relations="must divide `max_tokens`; block-diffusion models (SDAR, LLaDA2): the "
+        "model's block (its `block_size`, LLaDA2 32) unless given, blocks aligned to absolute "
+        "positions so the canvas runs to the end of the last block",
         examples=(8, 0),
     ),
     Param(
@@ -259,8 +272,10 @@ PARAMS: tuple[Param, ...] = (
         default_doc="LLaDA `low_confidence`, Dream `entropy` (`threshold` when only "
         "`threshold` is given)",
         choices=ALGORITHMS,
-        aliases=("remasking", "alg"),
-        relations="`origin` is Dream's only",
+        aliases=("remasking", "alg", "remasking_strategy"),
+        relations="`origin` is Dream's only; block-diffusion models (SDAR, LLaDA2) take "
+        "`low_confidence_dynamic` (their default), `low_confidence_static`, `sequential`, "
+        "`entropy_bounded`",
         examples=("random", "beam"),
     ),
     Param(
@@ -276,6 +291,7 @@ PARAMS: tuple[Param, ...] = (
         relations="in (0, 1] for confidence rules; with `entropy_threshold` (and `multi_block`) "
         f"an entropy bound in nats, (0, {MAX_ENTROPY_THRESHOLD:g}]; not with `random`, `origin` "
         "or `entropy` (no confidence in [0, 1])",
+        aliases=("confidence_threshold", "eb_threshold"),
         examples=(0.9, 25),
     ),
     Param(

@@ -75,6 +75,11 @@ MODELS = [
     # d3LLM (issue 15): LLaDA / Dream layouts; multi-block decoding is their default
     ModelSpec("d3llm-llada", "d3LLM/d3LLM_LLaDA", dtype="bfloat16"),
     ModelSpec("d3llm-dream", "d3LLM/d3LLM_Dream", dtype="bfloat16"),
+    # block diffusion (issue 16): exact KV cache of finished blocks, steps counted per block
+    ModelSpec("llada2-mini", "inclusionAI/LLaDA2.0-mini", dtype="bfloat16"),
+    ModelSpec("llada2.1-mini", "inclusionAI/LLaDA2.1-mini", dtype="bfloat16"),
+    ModelSpec("sdar-4b-chat", "JetLM/SDAR-4B-Chat", dtype="bfloat16", max_rows=64),
+    ModelSpec("sdar-8b-chat", "JetLM/SDAR-8B-Chat", dtype="bfloat16", max_rows=64),
 ]
 
 

@@ -25,8 +25,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-RANK, THRESHOLD, FACTOR, ENTROPY, LEAP = range(5)
-_CODES = {"factor": FACTOR, "entropy_threshold": ENTROPY, "local_leap": LEAP}
+RANK, THRESHOLD, FACTOR, ENTROPY, LEAP, SEQUENTIAL, DYNAMIC, BOUNDED = range(8)
+_CODES = {
+    "factor": FACTOR,
+    "entropy_threshold": ENTROPY,
+    "local_leap": LEAP,
+    # issue 16: SDAR's remasking strategies (LLaDA2's threshold rule is `DYNAMIC`)
+    "low_confidence_static": RANK,
+    "sequential": SEQUENTIAL,
+    "low_confidence_dynamic": DYNAMIC,
+    "entropy_bounded": BOUNDED,
+}
+_SCHEDULED = (RANK, LEAP, SEQUENTIAL, DYNAMIC)  # rules that take the step schedule's k
 
 
 def rule_code(algorithm: str, uses_threshold: bool) -> int:
@@ -74,9 +84,12 @@ class CommitPlan:
         self.strict = torch.tensor([r.strict for r in rows], device=device)
         self.keep_best = torch.tensor([r.keep_best for r in rows], device=device)
         self.ent64 = _idx(rows, lambda r: r.code == ENTROPY and r.entropy_f64, device)
+        self.bounded = _idx(rows, lambda r: r.code == BOUNDED, device)
         self.ent_low = _idx(rows, lambda r: r.code == ENTROPY and not r.entropy_f64, device)
         self.leap = _idx(rows, lambda r: r.code == LEAP, device)
+        self.ent_rows = any(r.code == ENTROPY for r in rows)
         self.any_factor = any(r.code == FACTOR for r in rows)
+        self.any_block = any(r.code in (SEQUENTIAL, DYNAMIC, BOUNDED) for r in rows)
         self.forced = _idx(rows, lambda r: r.forced is not None, device)
         if self.forced is not None:
             spans = [r.forced for r in rows if r.forced is not None]
@@ -107,6 +120,11 @@ class CommitPlan:
             out["entropy"], out["entropy_pass"] = ent, passes
         if self.leap is not None:
             out["leap_probs"] = F.softmax(logits[self.leap], dim=-1)  # the logits' dtype
+        if self.bounded is not None:  # SDAR entropy_bounded: float32, p clamped to 1e-12
+            ent = torch.full((b, w), torch.inf, dtype=torch.float32, device=logits.device)
+            p = F.softmax(logits[self.bounded].float(), dim=-1).clamp_min(1e-12)
+            ent[self.bounded] = -(p * p.log()).sum(dim=-1)
+            out["bounded_entropy"] = ent
         return out
 
     # ---- the selection ---------------------------------------------------------------------
@@ -121,7 +139,7 @@ class CommitPlan:
         b, w = conf.shape
         dev = conf.device
         score = conf.to(torch.float64)
-        if "entropy" in extra:
+        if "entropy" in extra and self.ent_rows:
             is_ent = (self.code == ENTROPY)[:, None]
             score = torch.where(is_ent, -extra["entropy"], score)
         leap_conf = None
@@ -144,9 +162,43 @@ class CommitPlan:
             chosen = torch.where(code == ENTROPY, extra["entropy_pass"] | keep, chosen)
         if leap_conf is not None:
             chosen[self.leap] = self._leap(leap_conf, ranks[self.leap], selectable[self.leap])
+        if self.any_block:
+            chosen = self._block_rules(chosen, conf, ranks, selectable, extra)
         chosen &= selectable
         if self.forced is not None:
             chosen = self._force(chosen, score, selectable)
+        return chosen
+
+    def _block_rules(
+        self,
+        chosen: torch.Tensor,
+        conf: torch.Tensor,
+        ranks: torch.Tensor,
+        selectable: torch.Tensor,
+        extra: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """SDAR's strategies (issue 16). sequential: the k masked positions nearest the
+        block's start; low_confidence_dynamic: every confidence > tau when at least k pass,
+        else the k most confident; entropy_bounded: the lowest entropies while their running
+        sum stays below the bound, at least one."""
+        code = self.code[:, None]
+        k = self.k[:, None]
+        order = torch.cumsum(selectable.long(), dim=1)  # 1-based rank by position
+        chosen = torch.where(code == SEQUENTIAL, selectable & (order <= k), chosen)
+        high = (conf > self.threshold[:, None].to(conf.dtype)) & selectable
+        enough = high.sum(dim=1, keepdim=True) >= k
+        chosen = torch.where(code == DYNAMIC, torch.where(enough, high, ranks < k), chosen)
+        if "bounded_entropy" in extra:
+            ent = extra["bounded_entropy"].masked_fill(~selectable, torch.inf)
+            sorted_ent, by_ent = ent.sort(dim=1, stable=True)
+            below = torch.cumsum(sorted_ent, dim=1) < self.threshold[:, None].to(ent.dtype)
+            n = below.sum(dim=1).clamp(min=1)
+            n = torch.minimum(n, selectable.sum(dim=1))
+            w = ent.shape[1]
+            ent_rank = torch.empty_like(by_ent).scatter_(
+                1, by_ent, torch.arange(w, device=ent.device).expand_as(by_ent)
+            )
+            chosen = torch.where(code == BOUNDED, ent_rank < n[:, None], chosen)
         return chosen
 
     def _factor(
@@ -197,6 +249,8 @@ def row_rule(seq, family: str) -> RowRule:
     p = seq.params
     a = p.accel
     code = rule_code(p.algorithm, seq.uses_threshold)
+    if seq.layout is not None and seq.last_forward:
+        code = RANK  # max_nfe spent: the rest of the block at once
     forced = None
     multi = seq.multi is not None
     if multi:
@@ -207,7 +261,7 @@ def row_rule(seq, family: str) -> RowRule:
     dream = family == "dream"
     return RowRule(
         code=code,
-        k=seq.transfer_count() if code in (RANK, LEAP) else 0,
+        k=seq.transfer_count() if code in _SCHEDULED else 0,
         threshold=p.threshold if p.threshold is not None else float("nan"),
         factor=a.factor,
         anchor=a.anchor_threshold,

@@ -1,0 +1,210 @@
+"""GPU benchmark of block-diffusion models (issue 16): the engine against the plain no-cache
+restatement of each upstream loop and against the weight-read floor of a step.
+
+    python benchmarks/gpu_bench_block.py --models sdar-4b,sdar-8b,llada2-mini \
+        --batches 1,8,32,128 --out results/block
+
+Random bf16 weights of the published architectures (`dlm_engine/presets.py`), built on the
+GPU. Random weights make fixed schedules honest: every row decodes `--canvas` tokens with
+`low_confidence_static` at `steps = block_length / tokens-per-forward`, so tokens per forward
+are known and nothing stops early (a random model has no end of text). Timed after one
+untimed run of the same shapes (CUDA graphs captured).
+
+- engine tok/s: generated tokens of all rows / wall time of the batch, prompt prefill
+  included (each row's first step feeds its prompt and first block);
+- reference tok/s: `reference_block.sdar_generate` / `llada2_generate` at batch 1 (the
+  upstream loops are batch 1), whole sequence up to the block's end every step;
+- floor: bytes of the weights one step reads (dense: all of them; MoE: attention, dense
+  layers, shared experts, the router and the distinct experts the step's tokens select,
+  expected for uniform routing of the step's tokens) / measured HBM copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from dlm_engine import Engine, EngineConfig
+from dlm_engine.loader import random_checkpoint
+from dlm_engine.reference_block import llada2_generate, sdar_generate
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Measured device memory bandwidth (bytes/s): read + write of a 1 GiB copy."""
+    n = 1 << 29 if device.type == "cuda" else 1 << 24
+    a = torch.empty(n, dtype=torch.bfloat16, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    sync()
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    sync()
+    return 10 * 2 * a.numel() * a.element_size() / (time.perf_counter() - t)
+
+
+def expected_distinct_experts(n_experts: int, per_token: int, tokens: int) -> float:
+    """Distinct experts `tokens` tokens select when each picks `per_token` of `n_experts` at
+    random: a random-weight router routes close to uniformly (group limits ignored)."""
+    return n_experts * (1 - (1 - per_token / n_experts) ** tokens)
+
+
+def weight_bytes(model: torch.nn.Module, distinct_experts: float | None) -> float:
+    """Bytes one step reads: every parameter except the embedding table (a gather) and, for
+    MoE, the unselected experts."""
+    total = 0.0
+    for name, p in model.named_parameters():
+        if "embed" in name or "word_embeddings" in name:
+            continue
+        nbytes = p.numel() * p.element_size()
+        if distinct_experts is not None and p.dim() == 3:  # stacked experts [E, in, out]
+            nbytes *= distinct_experts / p.shape[0]
+        total += nbytes
+    for _name, b in model.named_buffers():
+        if b.dim() == 3 and distinct_experts is not None and b.is_floating_point():
+            total += b.numel() * b.element_size() * distinct_experts / b.shape[0]
+    return total
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], params: dict) -> dict:
+    engine.generate(prompts, params)  # untimed: graphs and allocations
+    r = engine.runner
+    f0, t0w = r.forward_passes, r.work["tokens"]
+    sync()
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    sync()
+    secs = time.perf_counter() - t
+    tokens = sum(o.completion_tokens for o in outs)
+    steps = r.forward_passes - f0
+    return {
+        "seconds": secs,
+        "tokens": tokens,
+        "tok_s": tokens / secs,
+        "steps": steps,
+        "ms_per_step": secs / steps * 1e3,
+        "fed_tokens": r.work["tokens"] - t0w,
+    }
+
+
+def run_reference(engine: Engine, prompt: list[int], family: str, p: dict) -> dict:
+    model = engine.loaded.model
+    x = torch.tensor(prompt, device=engine.loaded.device)
+    kw = dict(mask_id=engine.mask_id, gen_length=p["max_tokens"], block_length=p["block_length"])
+    if family == "sdar":
+
+        def call():
+            return sdar_generate(
+                model, x, **kw, denoising_steps=p["steps"], temperature=0.0,
+                remasking_strategy="low_confidence_static",
+            )  # fmt: skip
+    else:
+
+        def call():
+            return llada2_generate(
+                model, x, **kw, eos_id=None, steps=p["steps"], threshold=2.0, temperature=0.0
+            )
+
+    call()
+    sync()
+    t = time.perf_counter()
+    run = call()
+    sync()
+    secs = time.perf_counter() - t
+    n = min(len(run.tokens), p["max_tokens"])
+    return {"seconds": secs, "tokens": n, "tok_s": n / secs, "forwards": run.forwards}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="sdar-4b,llada2-mini")
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--canvas", type=int, default=256)
+    ap.add_argument("--tokens-per-forward", type=int, default=1)
+    ap.add_argument("--ref-canvas", type=int, default=64, help="reference loop's gen_length")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    bw = copy_bandwidth(dev)
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    print(f"device={name} torch={torch.__version__} copy bandwidth={bw / 1e12:.2f} TB/s")
+    print(f"random {args.dtype} weights, prompt {args.prompt}, canvas {args.canvas}, "
+          f"{args.tokens_per_forward} token(s) per forward per row, low_confidence_static")  # fmt: skip
+    batches = [int(b) for b in args.batches.split(",")]
+    rows: list[dict] = []
+    for preset in args.models.split(","):
+        lm = random_checkpoint(preset, args.dtype, args.device)
+        family = lm.family.name
+        block = int(lm.config.get("block_size") or lm.family.default_block_length)
+        steps = block // args.tokens_per_forward
+        cfg = EngineConfig(
+            model=f"random:{preset}", device=args.device, dtype=args.dtype,
+            max_rows=max(batches), max_canvas=args.canvas + block,
+            max_prompt=args.prompt + 8, max_queue=max(batches) * 2,
+        )  # fmt: skip
+        engine = Engine(cfg, lm)
+        params = {
+            "max_tokens": args.canvas,
+            "block_length": block,
+            "steps": steps,
+            "algorithm": "low_confidence_static",
+        }
+        gen = torch.Generator().manual_seed(0)
+        vocab = min(int(lm.model.vocab_size), 30000)
+        ref = run_reference(
+            engine,
+            torch.randint(100, vocab, (args.prompt,), generator=gen).tolist(),
+            family,
+            dict(params, max_tokens=args.ref_canvas),
+        )
+        print(f"\n== {preset} ({family}, block {block}, steps {steps}) weights "
+              f"{sum(p.numel() * p.element_size() for p in lm.model.parameters()) / 1e9:.2f} GB")  # fmt: skip
+        print(f"reference (no cache, batch 1, gen {args.ref_canvas}): {ref['tok_s']:.1f} tok/s, "
+              f"{ref['seconds'] / ref['forwards'] * 1e3:.2f} ms/forward")  # fmt: skip
+        print(" batch    tok/s  ms/step  floor ms  x floor  x ref  steps")
+        for b in batches:
+            prompts = [
+                torch.randint(100, vocab, (args.prompt,), generator=gen).tolist() for _ in range(b)
+            ]
+            res = run_engine(engine, prompts, params)
+            distinct = None
+            if family == "llada2":
+                cfg_e = lm.config
+                distinct = expected_distinct_experts(
+                    int(cfg_e["num_experts"]), int(cfg_e["num_experts_per_tok"]), b * block
+                )
+            floor_ms = weight_bytes(lm.model, distinct) / bw * 1e3
+            row = {
+                "model": preset, "family": family, "batch": b, "block": block, "steps": steps,
+                **res, "floor_ms": floor_ms, "x_floor": res["ms_per_step"] / floor_ms,
+                "ref_tok_s": ref["tok_s"], "x_ref": res["tok_s"] / ref["tok_s"],
+                "distinct_experts": distinct,
+            }  # fmt: skip
+            rows.append(row)
+            print(f"{b:6d} {res['tok_s']:8.0f} {res['ms_per_step']:8.2f} {floor_ms:9.2f} "
+                  f"{row['x_floor']:8.2f} {row['x_ref']:6.1f} {res['steps']:6d}"
+                  + (f"  experts/layer {distinct:.0f}" if distinct else ""))  # fmt: skip
+        del engine, lm
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {"device": name, "torch": torch.__version__, "bandwidth_Bps": bw}
+        (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""The engine's block-diffusion path (issue 16) equals the plain no-cache restatements of the
+published loops (dlm_engine/reference_block.py) token for token at temperature 0: each
+request alone, and all of them in one batch with unlike prompts, blocks, steps and rules.
+
+The engine decodes over an exact KV cache of finished blocks and feeds each step only the
+active block (plus, once, the block just finished); the reference forwards the whole
+sequence up to the block's end every step. Equal tokens mean the cache is exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dlm_engine import testing
+from dlm_engine.config import EngineConfig
+from dlm_engine.engine import Engine
+from dlm_engine.errors import InvalidRequestError
+from dlm_engine.reference_block import llada2_generate, sdar_generate
+
+PROMPTS = ["Hello there", "abc", "What is 2+2? Tell me more.", "x"]
+SDAR_CASES = [
+    {"max_tokens": 13, "block_length": 4, "steps": 4},  # dynamic, threshold 0.85 (defaults)
+    {"max_tokens": 16, "block_length": 4, "steps": 2, "algorithm": "low_confidence_static"},
+    {"max_tokens": 12, "block_length": 8, "steps": 4, "algorithm": "sequential"},
+    {"max_tokens": 10, "block_length": 4, "algorithm": "entropy_bounded", "threshold": 2.0},
+    {"max_tokens": 20, "block_length": 8, "steps": 8, "threshold": 0.3},
+]
+LLADA2_CASES = [
+    {"max_tokens": 16, "block_length": 8, "steps": 8},  # threshold 0.95 (LLaDA2's default)
+    {"max_tokens": 12, "block_length": 4, "steps": 2, "threshold": 0.2},
+    {"max_tokens": 9, "block_length": 8, "steps": 4, "threshold": 0.5},
+    {"max_tokens": 24},  # the model's own block: 32 (prompt tail, one block)
+]
+
+
+@pytest.fixture(scope="module")
+def sdar(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    path = testing.make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "sdar", "sdar")
+    return Engine(EngineConfig(model=str(path), device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def llada2(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    path = testing.make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "llada2", "llada2")
+    return Engine(EngineConfig(model=str(path), device="cpu"))
+
+
+def _expected(engine: Engine, tokens: torch.Tensor, max_tokens: int) -> list[int]:
+    """The reference's answer as the engine reports it: up to the first stop id (not
+    included), at most max_tokens."""
+    out = tokens.tolist()[:max_tokens]
+    stop = next((i for i, t in enumerate(out) if t in engine.stop_ids), None)
+    return out if stop is None else out[:stop]
+
+
+def _sdar_reference(engine: Engine, prompt: list[int], case: dict) -> list[int]:
+    r = engine.resolve_params(case)
+    run = sdar_generate(
+        engine.loaded.model,
+        torch.tensor(prompt),
+        mask_id=engine.mask_id,
+        gen_length=r.max_tokens,
+        block_length=r.block_length,
+        denoising_steps=r.steps,
+        temperature=0.0,
+        remasking_strategy=r.algorithm,
+        confidence_threshold=r.threshold or 0.0,
+        eb_threshold=r.threshold,
+        stop_ids=sorted(engine.stop_ids),
+    )
+    return _expected(engine, run.tokens, r.max_tokens)
+
+
+def _llada2_reference(engine: Engine, prompt: list[int], case: dict) -> list[int]:
+    r = engine.resolve_params(case)
+    run = llada2_generate(
+        engine.loaded.model,
+        torch.tensor(prompt),
+        mask_id=engine.mask_id,
+        eos_id=engine.loaded.eos_id,
+        gen_length=r.max_tokens,
+        block_length=r.block_length,
+        steps=r.steps,
+        threshold=r.threshold,
+        temperature=0.0,
+    )
+    return _expected(engine, run.tokens, r.max_tokens)
+
+
+def _check(engine: Engine, cases: list[dict], reference) -> None:
+    prompts = [engine.encode_prompt(text=t) for t in PROMPTS]
+    pairs = [(p, c) for c in cases for p in prompts]
+    expected = [reference(engine, p, c) for p, c in pairs]
+    alone = [engine.generate([p], c)[0].token_ids for p, c in pairs]
+    forwards0 = engine.runner.forward_passes
+    steps0 = engine.total_forwards
+    batched = engine.generate([p for p, _ in pairs], [c for _, c in pairs])
+    assert alone == expected
+    assert [o.token_ids for o in batched] == expected
+    assert engine.runner.forward_passes - forwards0 == engine.total_forwards - steps0
+    assert not engine.runner.slots, "every finished request gave its cache slot back"
+    assert any(len(e) > 4 for e in expected), "the cases must decode past a block"
+
+
+def test_sdar_engine_equals_reference_alone_and_batched(sdar: Engine) -> None:
+    _check(sdar, SDAR_CASES, _sdar_reference)
+
+
+def test_llada2_engine_equals_reference_alone_and_batched(llada2: Engine) -> None:
+    _check(llada2, LLADA2_CASES, _llada2_reference)
+
+
+def test_a_step_feeds_only_the_active_block_after_the_first(sdar: Engine) -> None:
+    prompt = sdar.encode_prompt(text="What is 2+2? Tell me more.")
+    case = {"max_tokens": 16, "block_length": 4, "steps": 4, "algorithm": "sequential"}
+    tokens0 = sdar.runner.work["tokens"]
+    out = sdar.generate([prompt], case)[0]
+    fed = sdar.runner.work["tokens"] - tokens0
+    # first step: prompt + first block; later steps: one block, twice a block at block starts
+    blocks = -(-(len(prompt) + 16) // 4) - len(prompt) // 4
+    first_end = (len(prompt) // 4 + 1) * 4
+    assert out.steps > blocks  # sequential, 4 steps a block: several steps per block
+    assert fed <= first_end + (out.steps - 1) * 4 + (blocks - 1) * 4
+    assert fed < out.steps * (len(prompt) // 2), "the cache must make later steps short"
+
+
+def test_abort_frees_the_cache_slot(sdar: Engine) -> None:
+    prompt = sdar.encode_prompt(text="abc")
+    rid = sdar.add_request(None, prompt, {"max_tokens": 64, "block_length": 4})
+    sdar.step()
+    assert rid in sdar.runner.slots
+    sdar.abort(rid)
+    outs = sdar.step()
+    assert any(o.request_id == rid and o.finish_reason == "abort" for o in outs)
+    assert rid not in sdar.runner.slots
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"cache": "dual"}, "cache"),
+        ({"block_length": 4, "steps": 5}, "steps"),
+        ({"algorithm": "low_confidence"}, "algorithm"),
+        ({"cfg_scale": 1.0}, "cfg_scale"),
+        ({"algorithm": "sequential", "threshold": 0.5}, "threshold"),
+        ({"multi_block": True}, "multi_block"),
+    ],
+)
+def test_block_diffusion_request_errors_name_the_field(
+    sdar: Engine, params: dict, field: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        sdar.resolve_params(params)
+    assert err.value.field == field
+
+
+def test_seed_names_are_accepted(sdar: Engine) -> None:
+    r = sdar.resolve_params(
+        {"remasking_strategy": "entropy_bounded", "eb_threshold": 0.5, "block_size": 8}
+    )
+    assert (r.algorithm, r.threshold, r.block_length, r.steps) == ("entropy_bounded", 0.5, 8, 8)
+    r = sdar.resolve_params({"confidence_threshold": 0.7, "denoising_steps": 2})
+    assert (r.algorithm, r.threshold, r.steps, r.block_length) == (
+        "low_confidence_dynamic",
+        0.7,
+        2,
+        sdar.model_block,
+    )
+
+
+def test_model_block_comes_from_the_checkpoint(
+    sdar: Engine, llada2: Engine, tmp_path: Path
+) -> None:
+    assert sdar.model_block == int(sdar.loaded.config["block_size"])
+    assert llada2.model_block == 32
