@@ -65,6 +65,7 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 rms_norm = FusedKernels(_rms_norm)
+rms_norm_heads = FusedKernels(_rms_norm)
 apply_rope_fn = FusedKernels(_rope)
 silu_mul = FusedKernels(_silu_mul)
 
@@ -79,6 +80,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+class HeadRMSNorm(RMSNorm):
+    """RMS norm over head_dim of q or k [B, heads, T, D] (Qwen3 / LLaDA2 QK norm). Its own
+    compiled kernel: one function fed rank-3 and rank-4 inputs recompiles past torch's limit
+    and falls back to eager for every norm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_heads(x, self.weight, self.eps)
 
 
 def rope_tables(

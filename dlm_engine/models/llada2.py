@@ -25,6 +25,7 @@ from torch import nn
 from .common import (
     BidirectionalLM,
     ForwardBatch,
+    HeadRMSNorm,
     RMSNorm,
     apply_rope,
     fuse_gate_up,
@@ -118,8 +119,8 @@ class LLaDA2Attention(nn.Module):
         self.n_heads, self.n_kv_heads = a.num_attention_heads, a.num_key_value_heads
         qkv_out = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
         self.query_key_value = nn.Linear(a.hidden_size, qkv_out, bias=a.use_qkv_bias)
-        self.query_layernorm = RMSNorm(self.head_dim, a.rms_norm_eps)
-        self.key_layernorm = RMSNorm(self.head_dim, a.rms_norm_eps)
+        self.query_layernorm = HeadRMSNorm(self.head_dim, a.rms_norm_eps)
+        self.key_layernorm = HeadRMSNorm(self.head_dim, a.rms_norm_eps)
         self.dense = nn.Linear(self.n_heads * self.head_dim, a.hidden_size, bias=a.use_bias)
 
     def forward(self, h: torch.Tensor, rope, batch: ForwardBatch, layer: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ from torch import nn
 from .common import (
     BidirectionalLM,
     ForwardBatch,
+    HeadRMSNorm,
     QKVHeads,
     RMSNorm,
     apply_rope,
@@ -81,8 +82,8 @@ class SDARAttention(QKVHeads, nn.Module):
         self.k_proj = nn.Linear(a.hidden_size, kv_dim, bias=a.attention_bias)
         self.v_proj = nn.Linear(a.hidden_size, kv_dim, bias=a.attention_bias)
         self.o_proj = nn.Linear(q_dim, a.hidden_size, bias=a.attention_bias)
-        self.q_norm = RMSNorm(self.head_dim, a.rms_norm_eps)  # per head, before RoPE
-        self.k_norm = RMSNorm(self.head_dim, a.rms_norm_eps)
+        self.q_norm = HeadRMSNorm(self.head_dim, a.rms_norm_eps)  # per head, before RoPE
+        self.k_norm = HeadRMSNorm(self.head_dim, a.rms_norm_eps)
         self.qkv: nn.Linear | None = None  # set by fuse_projections()
 
     def forward(self, h: torch.Tensor, rope, batch: ForwardBatch, layer: int) -> torch.Tensor:
