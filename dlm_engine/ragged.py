@@ -141,11 +141,17 @@ class PackedAttention:
         v = self.pool.v[layer][:rows, :keys].transpose(1, 2)
         limit = self.x["block_limit"]  # [rows, Tq]: keys before this position are visible
         mask = torch.arange(keys, device=limit.device)[None, None, :] < limit[:, :, None]
-        q = qp.transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1]
-        )
-        return out.transpose(1, 2).reshape(rows * tq, out.shape[1], out.shape[3])
+        # GQA folded into the query axis: the heads sharing a KV head become more queries of
+        # one attention over that KV head (SDPA's enable_gqa with a mask fell back to the
+        # math kernel: 5.8 ms a layer at 128 rows on an H100)
+        heads, dim = qp.shape[2], qp.shape[3]
+        kv = k.shape[1]
+        rep = heads // kv
+        q = qp.view(rows, tq, kv, rep, dim).permute(0, 2, 3, 1, 4).reshape(rows, kv, rep * tq, dim)
+        mask = mask.repeat(1, rep, 1)[:, None]  # [rows, 1, rep * Tq, S]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = out.view(rows, kv, rep, tq, dim).permute(0, 3, 1, 2, 4)
+        return out.reshape(rows * tq, heads, dim)
 
 
 @dataclass
