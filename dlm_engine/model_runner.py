@@ -173,7 +173,9 @@ class ModelRunner:
                 if dtype not in (torch.float32, torch.float16, torch.bfloat16):
                     dtype = torch.bfloat16
                 head_dim = int(getattr(m, "head_dim", 0) or hidden // heads)  # Qwen3: explicit
-                self.pool = KVPool(n_layers, self.max_rows, kv, head_dim, length, dtype, self.device)
+                self.pool = KVPool(
+                    n_layers, self.max_rows, kv, head_dim, length, dtype, self.device
+                )
             else:
                 self.pool = self.pool.grown(length)
             if self.graphs is not None:

@@ -469,7 +469,9 @@ def resolve_block_diffusion(
     block = model_block if p.block_length is None else p.block_length
     steps = block if p.steps is None else p.steps
     if steps > block:
-        raise InvalidRequestError("steps", f"counts steps per block: at most block_length ({block})")
+        raise InvalidRequestError(
+            "steps", f"counts steps per block: at most block_length ({block})"
+        )
     if family == "llada2":  # LLaDA2 generate(): steps = min(steps, gen_length // minimal_topk)
         steps = min(steps, max_tokens)
     algorithm = p.algorithm or "low_confidence_dynamic"
