@@ -27,8 +27,8 @@ from .common import (
     RMSNorm,
     apply_rope,
     fuse_gate_up,
-    gated_mlp,
 )
+from .dream import DreamMLP
 
 
 @dataclass(frozen=True)
@@ -95,25 +95,13 @@ class SDARAttention(QKVHeads, nn.Module):
         return self.o_proj(batch.attend(layer, q, k, v).transpose(1, 2).reshape(b, t, -1))
 
 
-class SDARMLP(nn.Module):
-    def __init__(self, a: SDARArch) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
-        self.gate_up: nn.Linear | None = None  # set by fuse_projections()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated_mlp(self, "gate_proj", "up_proj", x))
-
-
 class SDARLayer(nn.Module):
     def __init__(self, a: SDARArch) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = SDARAttention(a)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.mlp = SDARMLP(a)
+        self.mlp = DreamMLP(a)  # the Qwen MLP: same names, no biases
 
     def forward(self, x: torch.Tensor, rope, batch: ForwardBatch, layer: int) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, batch, layer)
