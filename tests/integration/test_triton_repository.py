@@ -21,6 +21,11 @@ EXPECTED_MODELS = {
     "dream-v0-instruct-7b",
     "d3llm-llada",
     "d3llm-dream",
+    # issue 16: block-diffusion models
+    "llada2-mini",
+    "llada2.1-mini",
+    "sdar-4b-chat",
+    "sdar-8b-chat",
 }
 
 
