@@ -28,6 +28,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay captured graphs for the forwards on CUDA devices
     max_cuda_graphs: int = 96  # shapes kept captured (one shared activation pool)
     fused_kernels: bool = True  # torch.compile the elementwise pieces on CUDA devices
+    # issue 16: keys/values of block-diffusion prompt blocks kept for reuse (tokens; 0 = off)
+    prefix_cache_tokens: int = 16384
 
     def __post_init__(self) -> None:
         for name in (

@@ -59,6 +59,7 @@ class Engine:
             cuda_graphs=config.cuda_graphs,
             max_cuda_graphs=config.max_cuda_graphs,
             fused_kernels=config.fused_kernels,
+            prefix_cache_tokens=config.prefix_cache_tokens,
         )
         self.scheduler = Scheduler(
             config.max_rows, config.max_queue, config.max_step_tokens, config.phase_wait_steps

@@ -23,6 +23,7 @@ from .decoding.constraints import ConstrainedStep, ConstraintRuntime
 from .decoding.proposals import safe_probabilities
 from .kv_cache import KVPool
 from .models.common import FusedKernels
+from .prefix_cache import PrefixCache
 from .ragged import RowQuery, packed_forward_fn, plan_packed
 from .row_guard import RowGuard
 from .sequence import Sequence
@@ -46,6 +47,7 @@ class ModelRunner:
         cuda_graphs: bool = True,
         max_cuda_graphs: int = 96,
         fused_kernels: bool = True,
+        prefix_cache_tokens: int = 0,
     ) -> None:
         self.model = model
         self.family = family
@@ -72,6 +74,8 @@ class ModelRunner:
         # attention, and positions sent through the output head
         self.work = {"tokens": 0, "attn_pairs": 0, "logit_positions": 0}
         self.constraint_runtime: ConstraintRuntime | None = None  # set on first constrained row
+        # issue 16: whole prompt blocks of block-diffusion rows, reused across requests
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
 
     # ---- the forward ------------------------------------------------------------------------
     def _run(self, key: tuple, fn, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -123,6 +127,7 @@ class ModelRunner:
             self.refreshes += any(s.step_in_block == 0 for s in fast)
             self.span_steps += any(s.step_in_block > 0 for s in fast)
         pool = self.pool if cached else None
+        prefills = self._reuse_prefixes(seqs)
         plan = plan_packed(
             self._queries(seqs),
             width=width,
@@ -140,6 +145,11 @@ class ModelRunner:
         fn = packed_forward_fn(self.model, pool, width, plan.layout)
         key = ("packed", self._pool_id(), width, plan.layout)
         hidden = self._run(key, fn, plan.inputs)[: plan.rows]
+        for s in prefills:  # their prompt blocks' keys are final now: keep them
+            blocks = s.layout.first_block
+            self.prefix_cache.store(
+                s.prompt_ids, s.layout.block, blocks, self.pool, self.slots[s.request_id]
+            )
         logits = self.model.head(hidden)
         b = len(seqs)
         current = plan.inputs["ids"][0][plan.current_index[:b]]
@@ -153,6 +163,25 @@ class ModelRunner:
             logits = logits[:b].clone()
             logits[sel] = uncond + (scale[:, None, None] + 1) * (cond - uncond)
         return logits, current
+
+    def _reuse_prefixes(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Block rows about to run their first forward: copy the longest cached run of their
+        prompt blocks into their slot (their forward starts after it); returns the rows whose
+        prompt blocks this forward computes, to be stored once it has run."""
+        if self.prefix_cache is None:
+            return []
+        fresh = []
+        for s in seqs:
+            if s.layout is None or s.forwards or s.kv_upto or not s.layout.first_block:
+                continue
+            blocks = s.layout.first_block
+            slot = self.slots[s.request_id]
+            s.kv_upto = self.prefix_cache.load(
+                s.prompt_ids, s.layout.block, blocks, self.pool, slot
+            )
+            if s.kv_upto < blocks * s.layout.block:
+                fresh.append(s)
+        return fresh
 
     # ---- KV pool ----------------------------------------------------------------------------
     def _pool_id(self) -> int:

@@ -58,6 +58,7 @@ class Sequence:
             else:
                 self.generator.manual_seed(params.seed)
         self.block = self.layout.first_block if self.layout else 0
+        self._window = self.layout.window(self.block) if self.layout else (0, 0)  # block rows
         self.step_in_block = 0
         self.forwards = 0
         self.sent_text = ""
@@ -87,7 +88,7 @@ class Sequence:
         if self.multi is not None:
             return self.prompt_len + self.multi.window()[0]
         if self.layout is not None:
-            return self.layout.window(self.block)[0]
+            return self._window[0]
         return self.prompt_len + self.block * self.params.block_length
 
     @property
@@ -96,8 +97,7 @@ class Sequence:
             lo, hi = self.multi.window()
             return hi - lo
         if self.layout is not None:
-            lo, hi = self.layout.window(self.block)
-            return hi - lo
+            return self._window[1] - self._window[0]
         return self.params.block_length
 
     @property
@@ -163,6 +163,8 @@ class Sequence:
         last = self.layout.num_blocks if self.layout else self.params.num_blocks
         if self.masks_in_block == 0 and self.block + 1 < last:
             self.block += 1
+            if self.layout is not None:
+                self._window = self.layout.window(self.block)
             self.step_in_block = 0
             self.masks_in_block = self.window_width
 

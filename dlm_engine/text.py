@@ -31,15 +31,26 @@ class StableText:
         self.sent = ""
         self.token_ids: list[int] = []
         self.completion_tokens = 0
+        self._seen = 0  # length of the committed prefix last looked at
+        self._decoded: tuple[list[int], str] = ([], "")  # ids decoded last, and their text
+        backend = getattr(tokenizer, "_tokenizer", None)  # fast tokenizers: skip the wrapper
+        self._raw_decode = backend.decode if getattr(tokenizer, "is_fast", False) else None
 
     def update(self, prefix: list[int], canvas_complete: bool) -> TextUpdate:
-        stop_at = next((i for i, t in enumerate(prefix) if t in self.stop_ids), None)
+        # The committed prefix only grows: an unchanged one (most steps of most rows) cannot
+        # change the text, so nothing is decoded.
+        if len(prefix) == self._seen and not canvas_complete:
+            return TextUpdate("", False, None)
+        # only the tokens added since the last look can hold the first stop token: an
+        # earlier one would have finished the request
+        stop_at = next(
+            (i for i in range(self._seen, len(prefix)) if prefix[i] in self.stop_ids), None
+        )
+        self._seen = len(prefix)
         ids = prefix if stop_at is None else prefix[:stop_at]
         finished = stop_at is not None or canvas_complete
         reason = "stop" if stop_at is not None else ("length" if canvas_complete else None)
-        text = self.tokenizer.decode(
-            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
+        text = self._decode(ids)
         cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             text, finished, reason = text[:cut], True, "stop"
@@ -55,6 +66,31 @@ class StableText:
         delta = text[len(self.sent) :]
         self.sent = text
         return TextUpdate(delta, finished, reason)
+
+    def _decode(self, ids: list[int]) -> str:
+        """Text of `ids`, decoding only what was added since the last call: the new tokens
+        with a few before them for context, taken as the difference of two decodes that
+        start at the same token (so leading-space and byte-merging rules apply alike), as
+        vLLM's incremental detokenizer does. Anything else decodes the whole prefix."""
+        old_ids, old_text = self._decoded
+        m, n = len(old_ids), len(ids)
+        if m and n > m and ids[:m] == old_ids:
+            ctx = max(0, m - 4)
+            before, after = self._piece(ids[ctx:m]), self._piece(ids[ctx:n])
+            if after.startswith(before) and not before.endswith("\ufffd"):
+                text = old_text + after[len(before) :]
+                self._decoded = (list(ids), text)
+                return text
+        text = self._piece(ids)
+        self._decoded = (list(ids), text)
+        return text
+
+    def _piece(self, ids: list[int]) -> str:
+        if self._raw_decode is not None:  # what decode() does for a fast tokenizer, minus
+            return self._raw_decode(ids, skip_special_tokens=True)  # the conversion layers
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
 
     def _hold_back(self, text: str) -> str:
         """Drop a trailing partial character and any suffix that begins a stop string."""

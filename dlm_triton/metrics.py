@@ -72,6 +72,19 @@ class Metrics:
         self.generated_tokens = self._metric(
             "dlm_generated_tokens_total", "Completion tokens generated", counter
         )
+        # issue 16: block-diffusion prompt blocks reused from the prefix cache (hit rate =
+        # hit / lookup tokens)
+        self.prefix_lookup_tokens = self._metric(
+            "dlm_prefix_cache_lookup_tokens_total",
+            "Whole-block prompt tokens of block-diffusion requests looked up in the prefix cache",
+            counter,
+        )
+        self.prefix_hit_tokens = self._metric(
+            "dlm_prefix_cache_hit_tokens_total",
+            "Of those, tokens whose keys/values were reused instead of computed",
+            counter,
+        )
+        self._prefix_seen = (0, 0)
         self.restarts = self._metric(
             "dlm_model_restarts_total",
             "Times the launcher restarted the server because the model (stub) or server died",
@@ -100,6 +113,15 @@ class Metrics:
         )
         self._info = fam.Metric(labels={**self.labels, **labels})  # kept: dropped = unregistered
         self._info.set(1)
+
+    def prefix_cache(self, lookup_tokens: int, hit_tokens: int) -> None:
+        """Advance the prefix-cache counters to the engine's running totals."""
+        seen_lookup, seen_hit = self._prefix_seen
+        if lookup_tokens > seen_lookup:
+            self.prefix_lookup_tokens.increment(lookup_tokens - seen_lookup)
+        if hit_tokens > seen_hit:
+            self.prefix_hit_tokens.increment(hit_tokens - seen_hit)
+        self._prefix_seen = (lookup_tokens, hit_tokens)
 
     def outcome(self, outcome: str) -> None:
         self.requests[outcome if outcome in self.requests else "error"].increment(1)

@@ -137,6 +137,9 @@ class TritonPythonModel:
         self.metrics.rows_per_step.observe(rows)
         self.metrics.step_seconds.observe(self.engine.last_step_seconds)
         self.metrics.queue_depth.set(self.loop.queue_depth)
+        cache = self.engine.runner.prefix_cache
+        if cache is not None:
+            self.metrics.prefix_cache(cache.lookup_tokens, cache.hit_tokens)
 
     def finalize(self) -> None:
         """Stop accepting, let running requests finish for a bounded time, abort the rest,

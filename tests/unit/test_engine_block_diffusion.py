@@ -175,3 +175,24 @@ def test_model_block_comes_from_the_checkpoint(
 ) -> None:
     assert sdar.model_block == int(sdar.loaded.config["block_size"])
     assert llada2.model_block == 32
+
+
+def test_prefix_cache_reuses_prompt_blocks_without_changing_tokens(tmp_path: Path) -> None:
+    path = testing.make_tiny_checkpoint(tmp_path / "sdar", "sdar")
+    cached = Engine(EngineConfig(model=str(path), device="cpu"))
+    plain = Engine(
+        EngineConfig(model=str(path), device="cpu", prefix_cache_tokens=0), cached.loaded
+    )
+    system = "You are a careful assistant. Answer in one short line. " * 2
+    prompts = [cached.encode_prompt(text=system + q) for q in ("2+2?", "Hi!", "Name a color.")]
+    params = {"max_tokens": 12, "block_length": 4, "steps": 2}
+    first = cached.generate(prompts[:1], params)  # stores its prompt blocks
+    rest = cached.generate(prompts[1:], params)  # reuse the shared ones
+    expected = plain.generate(prompts, params)
+    assert [o.token_ids for o in first + rest] == [o.token_ids for o in expected]
+    pc = cached.runner.prefix_cache
+    shared = len(system) // 4 * 4  # whole blocks of the shared system prompt (1 char = 1 token)
+    assert pc.hit_tokens >= 2 * shared
+    assert 0 < pc.hit_rate < 1
+    fed_cached = cached.runner.work["tokens"]
+    assert fed_cached < plain.runner.work["tokens"] - 2 * shared + 16
