@@ -125,6 +125,66 @@ def run_reference(engine: Engine, prompt: list[int], family: str, p: dict) -> di
     return {"seconds": secs, "tokens": n, "tok_s": n / secs, "forwards": run.forwards}
 
 
+def prefix_section(args, dev: torch.device) -> list[dict]:
+    """Prefix caching: `--requests` short questions behind one shared system prompt of
+    `--shared-prefix` tokens, answered with and without the prefix cache. The system prompt
+    has been seen once before the timed batch (as on a server that has served it)."""
+    preset = args.models.split(",")[0]
+    lm = random_checkpoint(preset, args.dtype, args.device)
+    block = int(lm.config.get("block_size") or lm.family.default_block_length)
+    gen = torch.Generator().manual_seed(1)
+    vocab = min(int(lm.model.vocab_size), 30000)
+    system = torch.randint(100, vocab, (args.shared_prefix,), generator=gen).tolist()
+    prompts = [
+        system + torch.randint(100, vocab, (16,), generator=gen).tolist()
+        for _ in range(args.requests)
+    ]
+    params = {"max_tokens": 32, "block_length": block, "algorithm": "low_confidence_static"}
+    rows = []
+    print(f"\n== prefix cache: {preset}, {args.requests} requests, shared prompt "
+          f"{args.shared_prefix} tokens + 16, answers of 32 tokens, block {block}")  # fmt: skip
+    for budget in (0, 4 * (args.shared_prefix + 64)):
+        cfg = EngineConfig(
+            model=f"random:{preset}", device=args.device, dtype=args.dtype,
+            max_rows=args.requests, max_canvas=64 + block, max_prompt=args.shared_prefix + 64,
+            max_queue=4 * args.requests, prefix_cache_tokens=budget,
+        )  # fmt: skip
+        engine = Engine(cfg, lm)
+        engine.generate(prompts, params)  # graphs and allocations (and the cache, if on)
+        pc = engine.runner.prefix_cache
+        if pc is not None:
+            pc.clear()
+        engine.generate(prompts[:1], params)  # the system prompt seen once before
+        if pc is not None:  # the hit rate of the timed batch alone
+            pc.lookup_tokens = pc.hit_tokens = 0
+        res = run_engine_once(engine, prompts, params)
+        pc = engine.runner.prefix_cache
+        res.update(cache="on" if budget else "off", hit_rate=pc.hit_rate if pc else 0.0)
+        rows.append(res)
+        print(f"cache {res['cache']:3s}: {res['tok_s']:8.0f} tok/s  {res['req_s']:6.1f} req/s  "
+              f"fed {res['fed_tokens']} tokens  hit rate {res['hit_rate']:.2f}")  # fmt: skip
+        del engine
+    print(f"throughput with the cache / without: {rows[1]['tok_s'] / rows[0]['tok_s']:.2f}x")
+    return rows
+
+
+def run_engine_once(engine: Engine, prompts: list[list[int]], params: dict) -> dict:
+    r = engine.runner
+    t0w = r.work["tokens"]
+    sync()
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    sync()
+    secs = time.perf_counter() - t
+    tokens = sum(o.completion_tokens for o in outs)
+    return {
+        "seconds": secs,
+        "tok_s": tokens / secs,
+        "req_s": len(prompts) / secs,
+        "fed_tokens": r.work["tokens"] - t0w,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="sdar-4b,llada2-mini")
@@ -136,10 +196,20 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default="")
+    ap.add_argument("--shared-prefix", type=int, default=0, help="run the prefix-cache section")
+    ap.add_argument("--requests", type=int, default=32, help="prefix-cache section: requests")
     args = ap.parse_args()
     dev = torch.device(args.device)
-    bw = copy_bandwidth(dev)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    if args.shared_prefix:
+        print(f"device={name} torch={torch.__version__} random {args.dtype} weights")
+        rows = prefix_section(args, dev)
+        if args.out:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "prefix.json").write_text(json.dumps({"device": name, "rows": rows}, indent=1))
+        return
+    bw = copy_bandwidth(dev)
     print(f"device={name} torch={torch.__version__} copy bandwidth={bw / 1e12:.2f} TB/s")
     print(f"random {args.dtype} weights, prompt {args.prompt}, canvas {args.canvas}, "
           f"{args.tokens_per_forward} token(s) per forward per row, low_confidence_static")  # fmt: skip
