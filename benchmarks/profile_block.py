@@ -45,7 +45,7 @@ def main() -> None:
     for _ in range(args.steps):
         engine.step()
     prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    pstats.Stats(prof).sort_stats("cumtime").print_stats(22)
 
 
 if __name__ == "__main__":
