@@ -257,6 +257,8 @@ class ModelRunner:
         valid = torch.arange(logits.shape[1], device=dev)[None, :] < widths[:, None]
         masked = (current == self.mask_id) & valid
         extra = {} if plan.simple else plan.scores(logits)  # before propose edits logits
+        if plan.joint is not None:  # token editing reads the window's decoded tokens
+            extra["current"], extra["decoded"] = current, ~masked & valid
         x0, conf = propose(self.family, logits, rows, index, self.eos_id, self.mask_id, guard)
         if plan.simple:
             chosen = select_transfers(conf, masked, k, plan.threshold)

@@ -113,6 +113,8 @@ class ResolvedParams:
     # issue 16: a block-diffusion model's request: blocks aligned to absolute positions,
     # `steps` counted per block (block_diffusion.py)
     block_diffusion: bool = False
+    edit_threshold: float = 0.0  # issue 16: LLaDA2.1 token editing (joint_threshold)
+    max_post_edit_steps: int = 16
 
     @property
     def num_blocks(self) -> int:
@@ -150,6 +152,9 @@ def resolve(
     settings), applied to keys the request left unset. `model_block` > 0 marks a
     block-diffusion model (SDAR, LLaDA2) and is its trained block length."""
     p = apply_model_defaults(p, model_defaults)
+    for key in ("edit_threshold", "max_post_edit_steps"):
+        if getattr(p, key) is not None and not model_block:
+            raise InvalidRequestError(key, "applies to block-diffusion models (joint_threshold)")
     if model_block:
         return resolve_block_diffusion(
             p,
@@ -431,6 +436,11 @@ def resolve_acceleration(
 
 BLOCK_CONFIDENCE_DEFAULTS = {"sdar": 0.85, "llada2": 0.95}
 DEFAULT_EB_THRESHOLD = 0.35
+# SGLang JointThreshold (LLaDA2.1 token editing): threshold 0.5, edit_threshold 0.0,
+# max_post_edit_steps 16
+DEFAULT_JOINT_THRESHOLD = 0.5
+DEFAULT_EDIT_THRESHOLD = 0.0
+DEFAULT_POST_EDIT_STEPS = 16
 _NOT_FOR_BLOCKS = {
     "cfg_scale": lambda p: p.cfg_scale > 0,
     "alg_temp": lambda p: bool(p.alg_temp),
@@ -485,10 +495,18 @@ def resolve_block_diffusion(
         threshold = BLOCK_CONFIDENCE_DEFAULTS.get(family, DEFAULT_THRESHOLD)
     if algorithm == "entropy_bounded" and threshold is None:
         threshold = DEFAULT_EB_THRESHOLD
+    if algorithm == "joint_threshold" and threshold is None:
+        threshold = DEFAULT_JOINT_THRESHOLD
+    if algorithm != "joint_threshold":
+        for key in ("edit_threshold", "max_post_edit_steps"):
+            if getattr(p, key) is not None:
+                raise InvalidRequestError(key, "applies to algorithm joint_threshold only")
+    elif p.max_nfe is not None:
+        raise InvalidRequestError("max_nfe", "does not apply to joint_threshold (token editing)")
     if threshold is not None and algorithm in ("low_confidence_static", "sequential"):
         raise InvalidRequestError("threshold", f"algorithm {algorithm} takes no threshold")
-    if algorithm == "low_confidence_dynamic" and threshold > 1.0:
-        raise InvalidRequestError("threshold", "must be in (0, 1] for low_confidence_dynamic")
+    if algorithm in ("low_confidence_dynamic", "joint_threshold") and threshold > 1.0:
+        raise InvalidRequestError("threshold", f"must be in (0, 1] for {algorithm}")
     tools = resolve_tools(p.tools, p.tool_choice, p.parallel_tool_calls)
     constraint = _constraint(p, tools)
     return ResolvedParams(
@@ -514,4 +532,8 @@ def resolve_block_diffusion(
         score=_score(p, constraint),
         priority=p.priority,
         block_diffusion=True,
+        edit_threshold=DEFAULT_EDIT_THRESHOLD if p.edit_threshold is None else p.edit_threshold,
+        max_post_edit_steps=(
+            DEFAULT_POST_EDIT_STEPS if p.max_post_edit_steps is None else p.max_post_edit_steps
+        ),
     )

@@ -47,6 +47,11 @@ class Sequence:
             else None
         )
         self.kv_upto = 0  # block rows: first position whose cached keys are not final
+        # LLaDA2.1 token editing (joint_threshold): a block stays editable until it ends, so
+        # only the canvas before `final_upto` (canvas-relative) is final
+        self.editing = bool(self.layout) and params.algorithm == "joint_threshold"
+        self.post_edits = 0
+        self.block_forwards = 0
         canvas_len = self.layout.canvas_len if self.layout else params.max_tokens
         self.tokens = torch.tensor(prompt_ids + [mask_id] * canvas_len, device=device)
         self.canvas: list[int] = [mask_id] * canvas_len
@@ -59,6 +64,7 @@ class Sequence:
                 self.generator.manual_seed(params.seed)
         self.block = self.layout.first_block if self.layout else 0
         self._window = self.layout.window(self.block) if self.layout else (0, 0)  # block rows
+        self.final_upto = self._window[0] - self.prompt_len
         self.step_in_block = 0
         self.forwards = 0
         self.sent_text = ""
@@ -150,6 +156,9 @@ class Sequence:
     def absorb(self, window_tokens: list[int]) -> None:
         """Take the step's committed window into the host mirror and advance the schedule."""
         start = self.window_start - self.prompt_len
+        if self.editing:
+            self._absorb_edits(start, window_tokens)
+            return
         self.canvas[start : start + len(window_tokens)] = window_tokens
         if self.multi is not None:
             self.forwards += 1
@@ -168,15 +177,48 @@ class Sequence:
             self.step_in_block = 0
             self.masks_in_block = self.window_width
 
+    def _absorb_edits(self, start: int, window_tokens: list[int]) -> None:
+        """joint_threshold's block end (SGLang JointThreshold): a step that changes nothing
+        ends the block; so does the step after which a mask-free block has spent more than
+        `max_post_edit_steps` forwards on edits (or the iteration cap)."""
+        end = start + len(window_tokens)
+        changed = self.canvas[start:end] != window_tokens
+        self.canvas[start:end] = window_tokens
+        self.masks_in_block = sum(1 for t in window_tokens if t == self.mask_id)
+        self.forwards += 1
+        self.block_forwards += 1
+        self.step_in_block += 1
+        self.kv_upto = self.block * self.params.block_length
+        p = self.params
+        ended = not changed
+        if changed and self.masks_in_block == 0:
+            self.post_edits += 1
+            ended = self.post_edits > p.max_post_edit_steps
+        ended |= self.block_forwards >= p.block_length + p.max_post_edit_steps + 1
+        if not ended:
+            return
+        self.final_upto = end
+        if self.block + 1 < self.layout.num_blocks:
+            self.block += 1
+            self._window = self.layout.window(self.block)
+            self.step_in_block = self.post_edits = self.block_forwards = 0
+            self.masks_in_block = self.window_width
+        else:
+            self.final_upto = len(self.canvas)
+
     @property
     def canvas_done(self) -> bool:
         """Every position the request returns is committed (block rows: the first
         `max_tokens`; positions past it only complete the last block)."""
+        if self.editing:
+            return self.final_upto >= self.params.max_tokens
         return self.mask_id not in self.canvas[: self.params.max_tokens]
 
     def committed_prefix(self) -> list[int]:
         """The canvas up to its first mask: text that can no longer change."""
         canvas = self.canvas[: self.params.max_tokens]
+        if self.editing:  # the active block may still be rewritten
+            canvas = canvas[: self.final_upto]
         try:
             return canvas[: canvas.index(self.mask_id)]
         except ValueError:

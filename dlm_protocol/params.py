@@ -29,6 +29,7 @@ BLOCK_ALGORITHMS = (
     "low_confidence_static",
     "sequential",
     "entropy_bounded",
+    "joint_threshold",  # LLaDA2.1 token editing (SGLang JointThreshold)
 )
 ALGORITHMS = (
     "low_confidence",
@@ -404,6 +405,28 @@ PARAMS: tuple[Param, ...] = (
         default_doc="none (the schedule's `steps`)",
         minimum=1,
         examples=(4, 0),
+    ),
+    Param(
+        "edit_threshold",
+        FLOAT,
+        "LLaDA2.1 token editing (`algorithm: joint_threshold`): an already decoded position of "
+        "the active block is rewritten when the model's new proposal differs and has at least "
+        "this probability.",
+        default_doc="0.0 (SGLang's JointThreshold)",
+        minimum=0,
+        maximum=1,
+        relations="block-diffusion models with `joint_threshold` only",
+        examples=(0.9, 1.5),
+    ),
+    Param(
+        "max_post_edit_steps",
+        INT,
+        "LLaDA2.1 token editing: forwards a block may still spend on edits once it has no mask.",
+        default_doc="16 (SGLang's JointThreshold)",
+        minimum=0,
+        maximum=1024,
+        relations="block-diffusion models with `joint_threshold` only",
+        examples=(4, -1),
     ),
     Param(
         "priority",

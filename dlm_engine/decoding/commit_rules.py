@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-RANK, THRESHOLD, FACTOR, ENTROPY, LEAP, SEQUENTIAL, DYNAMIC, BOUNDED = range(8)
+RANK, THRESHOLD, FACTOR, ENTROPY, LEAP, SEQUENTIAL, DYNAMIC, BOUNDED, JOINT = range(9)
 _CODES = {
     "factor": FACTOR,
     "entropy_threshold": ENTROPY,
@@ -35,6 +35,7 @@ _CODES = {
     "sequential": SEQUENTIAL,
     "low_confidence_dynamic": DYNAMIC,
     "entropy_bounded": BOUNDED,
+    "joint_threshold": JOINT,  # LLaDA2.1 token editing
 }
 _SCHEDULED = (RANK, LEAP, SEQUENTIAL, DYNAMIC)  # rules that take the step schedule's k
 
@@ -60,6 +61,7 @@ class RowRule:
     strict: bool  # entropy < tau rather than <=
     keep_best: bool  # the lowest entropy is always committed
     forced: tuple[int, int] | None  # multi-block: window-relative first activated block
+    edit: float = float("nan")  # joint_threshold: edit_threshold (NaN: no editing)
 
 
 def _idx(rows: list[RowRule], pred, device: torch.device) -> torch.Tensor | None:
@@ -89,7 +91,10 @@ class CommitPlan:
         self.leap = _idx(rows, lambda r: r.code == LEAP, device)
         self.ent_rows = any(r.code == ENTROPY for r in rows)
         self.any_factor = any(r.code == FACTOR for r in rows)
-        self.any_block = any(r.code in (SEQUENTIAL, DYNAMIC, BOUNDED) for r in rows)
+        self.any_block = any(r.code in (SEQUENTIAL, DYNAMIC, BOUNDED, JOINT) for r in rows)
+        self.joint = _idx(rows, lambda r: r.code == JOINT, device)
+        if self.joint is not None:
+            self.edit = torch.tensor([r.edit for r in rows], device=device, dtype=f64)
         self.forced = _idx(rows, lambda r: r.forced is not None, device)
         if self.forced is not None:
             spans = [r.forced for r in rows if r.forced is not None]
@@ -165,6 +170,10 @@ class CommitPlan:
         if self.any_block:
             chosen = self._block_rules(chosen, conf, ranks, selectable, extra)
         chosen &= selectable
+        if self.joint is not None:  # LLaDA2.1: rewrite decoded positions whose proposal differs
+            edits = extra["decoded"] & (x0 != extra["current"])
+            edits &= conf > self.edit[:, None].to(conf.dtype)
+            chosen |= edits & (self.code == JOINT)[:, None]
         if self.forced is not None:
             chosen = self._force(chosen, score, selectable)
         return chosen
@@ -188,6 +197,9 @@ class CommitPlan:
         high = (conf > self.threshold[:, None].to(conf.dtype)) & selectable
         enough = high.sum(dim=1, keepdim=True) >= k
         chosen = torch.where(code == DYNAMIC, torch.where(enough, high, ranks < k), chosen)
+        # joint_threshold (mask to token): every mask above tau, else the most confident one
+        passed = high.any(dim=1, keepdim=True)
+        chosen = torch.where(code == JOINT, torch.where(passed, high, ranks == 0), chosen)
         if "bounded_entropy" in extra:
             ent = extra["bounded_entropy"].masked_fill(~selectable, torch.inf)
             sorted_ent, by_ent = ent.sort(dim=1, stable=True)
@@ -271,4 +283,5 @@ def row_rule(seq, family: str) -> RowRule:
         strict=dream,
         keep_best=not (dream and multi),
         forced=forced,
+        edit=p.edit_threshold if code == JOINT else float("nan"),
     )

@@ -88,10 +88,21 @@ def test_engine_sampling_params_are_the_contract_keys() -> None:
     assert SamplingParams(gen_length=8).max_tokens == 8
 
 
+# keys of block-diffusion token editing: accepted by SDAR/LLaDA2 engines
+# (tests/unit/test_engine_block_diffusion.py), refused by name here
+BLOCK_ONLY = {"edit_threshold", "max_post_edit_steps"}
+
+
 def test_engine_accepts_every_valid_example(engines: dict[str, Engine]) -> None:
     eng = engines["llada"]
     for param in PARAMS:
-        resolved = eng.resolve_params({"max_tokens": 8, param.name: param.examples[0]})
+        request = {"max_tokens": 8, param.name: param.examples[0]}
+        if param.name in BLOCK_ONLY:
+            with pytest.raises(InvalidRequestError) as err:
+                eng.resolve_params(request)
+            assert err.value.field == param.name
+            continue
+        resolved = eng.resolve_params(request)
         assert resolved.max_tokens in (8, 16)
 
 

@@ -146,6 +146,8 @@ def test_abort_frees_the_cache_slot(sdar: Engine) -> None:
         ({"cfg_scale": 1.0}, "cfg_scale"),
         ({"algorithm": "sequential", "threshold": 0.5}, "threshold"),
         ({"multi_block": True}, "multi_block"),
+        ({"algorithm": "sequential", "edit_threshold": 0.5}, "edit_threshold"),
+        ({"algorithm": "joint_threshold", "max_nfe": 4}, "max_nfe"),
     ],
 )
 def test_block_diffusion_request_errors_name_the_field(
@@ -196,3 +198,67 @@ def test_prefix_cache_reuses_prompt_blocks_without_changing_tokens(tmp_path: Pat
     assert 0 < pc.hit_rate < 1
     fed_cached = cached.runner.work["tokens"]
     assert fed_cached < plain.runner.work["tokens"] - 2 * shared + 16
+
+
+JOINT_CASES = [
+    {"max_tokens": 12, "block_length": 4, "algorithm": "joint_threshold"},  # SGLang defaults
+    {"max_tokens": 16, "block_length": 8, "algorithm": "joint_threshold", "threshold": 0.9,
+     "edit_threshold": 0.3, "max_post_edit_steps": 2},
+    {"max_tokens": 9, "block_length": 4, "algorithm": "joint_threshold", "threshold": 0.2,
+     "edit_threshold": 0.05, "max_post_edit_steps": 0},
+]  # fmt: skip
+
+
+def _joint_reference(engine: Engine, prompt: list[int], case: dict) -> list[int]:
+    from dlm_engine.reference_block import joint_threshold_generate
+
+    r = engine.resolve_params(case)
+    run = joint_threshold_generate(
+        engine.loaded.model,
+        torch.tensor(prompt),
+        mask_id=engine.mask_id,
+        eos_id=engine.loaded.eos_id,
+        gen_length=r.max_tokens,
+        block_length=r.block_length,
+        threshold=r.threshold,
+        edit_threshold=r.edit_threshold,
+        max_post_edit_steps=r.max_post_edit_steps,
+        temperature=0.0,
+    )
+    _joint_reference.edits += sum(sum(e) for e in run.edits)
+    return _expected(engine, run.tokens, r.max_tokens)
+
+
+_joint_reference.edits = 0
+
+
+def test_llada21_token_editing_equals_reference(llada2: Engine) -> None:
+    _check(llada2, JOINT_CASES, _joint_reference)
+    assert _joint_reference.edits > 0, "the cases must exercise token edits"
+
+
+def test_editing_streams_a_block_only_once_it_ended(llada2: Engine) -> None:
+    """With token editing the active block may still be rewritten: text is released only
+    at the step that ends a block (or the request), never from inside an open block."""
+    prompt = llada2.encode_prompt(text="What is 2+2?")
+    case = {"max_tokens": 16, "block_length": 4, "algorithm": "joint_threshold"}
+    rid = llada2.add_request(None, prompt, case)
+    llada2.step()  # admitted and first forward
+    seq = next(s for s in llada2.scheduler.running if s.request_id == rid)
+    released = 0
+    while llada2.has_unfinished():
+        block = seq.block
+        outs = [o for o in llada2.step() if o.request_id == rid]
+        if outs and outs[0].delta_text:
+            released += 1
+            assert seq.block != block or outs[0].finished, "text left an open block"
+    assert released >= 1
+
+
+def test_editing_keys_accept_their_contract_examples(llada2: Engine) -> None:
+    from dlm_protocol import PARAMS
+
+    for name in ("edit_threshold", "max_post_edit_steps"):
+        param = next(p for p in PARAMS if p.name == name)
+        r = llada2.resolve_params({"algorithm": "joint_threshold", name: param.examples[0]})
+        assert getattr(r, name) == param.examples[0]
