@@ -213,32 +213,40 @@ def resolve(
         )
     if p.cache != "none" and p.cfg_scale > 0:
         raise InvalidRequestError("cache", "cached mode cannot be combined with cfg_scale")
-    tools = resolve_tools(p.tools, p.tool_choice, p.parallel_tool_calls)
-    constraint = _constraint(p, tools)
     return ResolvedParams(
         max_tokens=max_tokens,
         steps=steps,
         block_length=block,
         algorithm=algorithm,
         threshold=threshold,
-        temperature=numerically_safe(p.temperature),
-        top_p=p.top_p,
-        top_k=p.top_k,
         alg_temp=numerically_safe(p.alg_temp) or None,
         cfg_scale=p.cfg_scale,
-        seed=p.seed,
-        stop=tuple(p.stop),
-        stream_mode=p.stream_mode,
-        suppress_eos=p.suppress_eos,
         cache=p.cache,
-        max_nfe=p.max_nfe,
+        **_shared_fields(p),  # tools and structure checked before the accelerations, as before
         accel=resolve_acceleration(p, family=family, algorithm=algorithm, threshold=threshold),
-        constraint=constraint,
-        logprobs=p.logprobs,
-        tools=tools,
-        score=_score(p, constraint),
-        priority=p.priority,
     )
+
+
+def _shared_fields(p: SamplingParams) -> dict[str, Any]:
+    """The resolved keys every family treats alike: sampling, stops, streaming, structure,
+    logprobs, tools, scoring, priority."""
+    tools = resolve_tools(p.tools, p.tool_choice, p.parallel_tool_calls)
+    constraint = _constraint(p, tools)
+    return {
+        "temperature": numerically_safe(p.temperature),
+        "top_p": p.top_p,
+        "top_k": p.top_k,
+        "seed": p.seed,
+        "stop": tuple(p.stop),
+        "stream_mode": p.stream_mode,
+        "suppress_eos": p.suppress_eos,
+        "max_nfe": p.max_nfe,
+        "constraint": constraint,
+        "logprobs": p.logprobs,
+        "tools": tools,
+        "score": _score(p, constraint),
+        "priority": p.priority,
+    }
 
 
 def _score(p: SamplingParams, constraint: Constraint | None) -> int | None:
@@ -507,30 +515,16 @@ def resolve_block_diffusion(
         raise InvalidRequestError("threshold", f"algorithm {algorithm} takes no threshold")
     if algorithm in ("low_confidence_dynamic", "joint_threshold") and threshold > 1.0:
         raise InvalidRequestError("threshold", f"must be in (0, 1] for {algorithm}")
-    tools = resolve_tools(p.tools, p.tool_choice, p.parallel_tool_calls)
-    constraint = _constraint(p, tools)
     return ResolvedParams(
         max_tokens=max_tokens,
         steps=steps,
         block_length=block,
         algorithm=algorithm,
         threshold=threshold,
-        temperature=numerically_safe(p.temperature),
-        top_p=p.top_p,
-        top_k=p.top_k,
         alg_temp=None,
         cfg_scale=0.0,
-        seed=p.seed,
-        stop=tuple(p.stop),
-        stream_mode=p.stream_mode,
-        suppress_eos=p.suppress_eos,
         cache="none",
-        max_nfe=p.max_nfe,
-        constraint=constraint,
-        logprobs=p.logprobs,
-        tools=tools,
-        score=_score(p, constraint),
-        priority=p.priority,
+        **_shared_fields(p),
         block_diffusion=True,
         edit_threshold=DEFAULT_EDIT_THRESHOLD if p.edit_threshold is None else p.edit_threshold,
         max_post_edit_steps=(
