@@ -16,6 +16,7 @@ from dlm_protocol import PARAMS, parse_params
 from dlm_protocol.params import (
     ALGORITHMS,
     BLOCK_ALGORITHMS,
+    BLOCK_DIFFUSION_ONLY,
     CACHE_MODES,
     DEFAULT_THRESHOLD,
     MAX_ENTROPY_THRESHOLD,
@@ -152,7 +153,7 @@ def resolve(
     settings), applied to keys the request left unset. `model_block` > 0 marks a
     block-diffusion model (SDAR, LLaDA2) and is its trained block length."""
     p = apply_model_defaults(p, model_defaults)
-    for key in ("edit_threshold", "max_post_edit_steps"):
+    for key in BLOCK_DIFFUSION_ONLY:
         if getattr(p, key) is not None and not model_block:
             raise InvalidRequestError(key, "applies to block-diffusion models (joint_threshold)")
     if model_block:
@@ -506,7 +507,7 @@ def resolve_block_diffusion(
     if algorithm == "joint_threshold" and threshold is None:
         threshold = DEFAULT_JOINT_THRESHOLD
     if algorithm != "joint_threshold":
-        for key in ("edit_threshold", "max_post_edit_steps"):
+        for key in BLOCK_DIFFUSION_ONLY:
             if getattr(p, key) is not None:
                 raise InvalidRequestError(key, "applies to algorithm joint_threshold only")
     elif p.max_nfe is not None:

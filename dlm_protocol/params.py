@@ -31,6 +31,9 @@ BLOCK_ALGORITHMS = (
     "entropy_bounded",
     "joint_threshold",  # LLaDA2.1 token editing (SGLang JointThreshold)
 )
+# issue 16: keys that only block-diffusion models take (LLaDA2.1 token editing); other
+# models refuse them by name
+BLOCK_DIFFUSION_ONLY = ("edit_threshold", "max_post_edit_steps")
 ALGORITHMS = (
     "low_confidence",
     "random",
