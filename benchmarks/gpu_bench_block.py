@@ -77,24 +77,12 @@ def weight_bytes(model: torch.nn.Module, distinct_experts: float | None) -> floa
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], params: dict) -> dict:
-    engine.generate(prompts, params)  # untimed: graphs and allocations
-    r = engine.runner
-    f0, t0w = r.forward_passes, r.work["tokens"]
-    sync()
-    t = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    sync()
-    secs = time.perf_counter() - t
-    tokens = sum(o.completion_tokens for o in outs)
-    steps = r.forward_passes - f0
-    return {
-        "seconds": secs,
-        "tokens": tokens,
-        "tok_s": tokens / secs,
-        "steps": steps,
-        "ms_per_step": secs / steps * 1e3,
-        "fed_tokens": r.work["tokens"] - t0w,
-    }
+    """One untimed run (graphs and allocations), then the timed one with its step count."""
+    engine.generate(prompts, params)
+    f0 = engine.runner.forward_passes
+    res = run_engine_once(engine, prompts, params)
+    steps = engine.runner.forward_passes - f0
+    return {**res, "steps": steps, "ms_per_step": res["seconds"] / steps * 1e3}
 
 
 def run_reference(engine: Engine, prompt: list[int], family: str, p: dict) -> dict:
@@ -179,6 +167,7 @@ def run_engine_once(engine: Engine, prompts: list[list[int]], params: dict) -> d
     tokens = sum(o.completion_tokens for o in outs)
     return {
         "seconds": secs,
+        "tokens": tokens,
         "tok_s": tokens / secs,
         "req_s": len(prompts) / secs,
         "fed_tokens": r.work["tokens"] - t0w,

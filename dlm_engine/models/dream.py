@@ -109,19 +109,10 @@ class _Backbone(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
-class DreamModel(BidirectionalLM):
-    """`DreamModel` weights; logits shifted right by one (`logits_shift = 1`)."""
-
-    logits_shift = 1
-
-    def __init__(self, arch: DreamArch) -> None:
-        super().__init__()
-        self.arch = arch
-        self.model = _Backbone(arch)
-        if not arch.tie_word_embeddings:
-            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.head_dim = arch.hidden_size // arch.num_attention_heads
-        self.rope_theta = arch.rope_theta
+class QwenLayoutLM(BidirectionalLM):
+    """What every Qwen-layout family shares (Dream: Qwen2; SDAR: Qwen3): `model.embed_tokens`,
+    `model.layers` with `self_attn` / `mlp`, `model.norm`, and `lm_head` unless tied. Subclasses
+    set `self.arch` and `self.model`."""
 
     @property
     def vocab_size(self) -> int:
@@ -144,3 +135,18 @@ class DreamModel(BidirectionalLM):
         if self.arch.tie_word_embeddings:
             return F.linear(h, self.model.embed_tokens.weight)
         return self.lm_head(h)
+
+
+class DreamModel(QwenLayoutLM):
+    """`DreamModel` weights; logits shifted right by one (`logits_shift = 1`)."""
+
+    logits_shift = 1
+
+    def __init__(self, arch: DreamArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = _Backbone(arch)
+        if not arch.tie_word_embeddings:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.head_dim = arch.hidden_size // arch.num_attention_heads
+        self.rope_theta = arch.rope_theta

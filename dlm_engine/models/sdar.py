@@ -16,19 +16,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .common import (
-    BidirectionalLM,
     ForwardBatch,
     HeadRMSNorm,
     QKVHeads,
     RMSNorm,
     apply_rope,
-    fuse_gate_up,
 )
-from .dream import DreamMLP
+from .dream import DreamMLP, QwenLayoutLM
 
 
 @dataclass(frozen=True)
@@ -116,7 +113,7 @@ class _Backbone(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
-class SDARModel(BidirectionalLM):
+class SDARModel(QwenLayoutLM):
     """`SDARForCausalLM` weights; logits are unshifted, attention block-causal (by the mask)."""
 
     def __init__(self, arch: SDARArch) -> None:
@@ -129,28 +126,6 @@ class SDARModel(BidirectionalLM):
         self.rope_theta = arch.rope_theta
 
     @property
-    def vocab_size(self) -> int:
-        return self.arch.vocab_size
-
-    @property
     def block_size(self) -> int:
         """The denoising block the checkpoint was trained with (config `block_size`)."""
         return self.arch.block_size
-
-    def fuse_projections(self) -> None:
-        """Fused q/k/v and gate/up layers (after loading weights)."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse_qkv()
-            fuse_gate_up(layer.mlp, "gate_proj", "up_proj")
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(ids)
-
-    def blocks(self) -> nn.ModuleList:
-        return self.model.layers
-
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        h = self.model.norm(h)
-        if self.arch.tie_word_embeddings:
-            return F.linear(h, self.model.embed_tokens.weight)
-        return self.lm_head(h)
