@@ -1,12 +1,15 @@
-"""Train the embedded tiny LLaDA-architecture model (`dlm_engine/assets/tiny-dlm`).
+"""Train the embedded tiny models: tiny-dlm (LLaDA layout) and tiny-sdar (SDAR layout).
 
-Objective: LLaDA's supervised fine-tuning loss for masked diffusion. Per example a ratio
-t ~ U(eps, 1) is drawn, every response token (the answer, its `<|eot_id|>` and the
-`<|endoftext|>` padding up to the canvas length) is replaced by the mask token with
-probability t, the prompt is never masked, attention is bidirectional, and cross-entropy is
-taken on masked positions only, weighted by 1/t and divided by the response length.
+Objective (`--family llada`, `dlm_engine/assets/tiny-dlm`): LLaDA's supervised fine-tuning
+loss for masked diffusion. Per example a ratio t ~ U(eps, 1) is drawn, every response token
+(the answer, its `<|eot_id|>` and the `<|endoftext|>` padding up to the canvas length) is
+replaced by the mask token with probability t, the prompt is never masked, attention is
+bidirectional, and cross-entropy is taken on masked positions only, weighted by 1/t and
+divided by the response length. `--family sdar` (`dlm_engine/assets/tiny-sdar`) trains the
+same tasks block-causally with per-block noise (`block_objective.py`).
 
     python -m dlm_engine.training.train --out DIR --device cuda --minutes 9
+    python -m dlm_engine.training.train --family sdar --out DIR --device cuda --minutes 9
 
 Without `--steps` the cosine schedule runs on elapsed time, so the run fills `--minutes`
 whatever the device's speed. Data are generated on the fly by
@@ -34,11 +37,12 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from ..models import LLADA, build_model
+from ..models import LLADA, SDAR, build_model
 from ..models.common import ForwardBatch
-from ..testing import llada_config, write_checkpoint
+from ..testing import llada_config, sdar_config, write_checkpoint
 from ..tokenizer_build import build_char_tokenizer, vocab_size_for
 from . import tasks
+from .block_objective import block_diffusion_loss, block_greedy_decode
 
 MASK_EPS = 1e-3  # lowest masking ratio, as in LLaDA's forward process
 CANVAS_EVAL = 32  # canvas used by the quality benchmark and the CI test
@@ -52,14 +56,18 @@ class Special:
     mask: int
     eos: int
     eot: int
-    bos: int
-    end_header: int
+    bos: int | None
+    end_header: int | None  # LLaDA's template only (see split_blank_lines)
     unk: int
     newline: int
 
     @classmethod
-    def from_tokenizer(cls, tok: PreTrainedTokenizerBase) -> Special:
+    def from_tokenizer(cls, tok: PreTrainedTokenizerBase, family: str = "llada") -> Special:
         v = tok.get_vocab()
+        if family == "sdar":  # Qwen's names: <|MASK|>, end of turn <|im_end|>, no BOS
+            return cls(
+                v["<|MASK|>"], v["<|endoftext|>"], v["<|im_end|>"], None, None, v["<unk>"], v["\n"]
+            )
         return cls(
             v["<|mdm_mask|>"],
             v["<|endoftext|>"],
@@ -100,6 +108,8 @@ def split_blank_lines(prompt: list[int], sp: Special) -> list[int]:
     `<unk>`; a tokenizer with that fixed gives two `\\n` ids. Training on both makes the
     model indifferent to which tokenizer file serves it.
     """
+    if sp.end_header is None:
+        return list(prompt)
     out: list[int] = []
     for i, t in enumerate(prompt):
         if t == sp.unk and i > 0 and prompt[i - 1] == sp.end_header:
@@ -110,9 +120,17 @@ def split_blank_lines(prompt: list[int], sp: Special) -> list[int]:
 
 
 def make_batch(
-    rng: random.Random, tok: PreTrainedTokenizerBase, sp: Special, batch_size: int
+    rng: random.Random,
+    tok: PreTrainedTokenizerBase,
+    sp: Special,
+    batch_size: int,
+    block_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids [B,T] right-padded with EOS, prompt lengths [B], total lengths [B])."""
+    """(ids [B,T] right-padded with EOS, prompt lengths [B], total lengths [B]).
+
+    With `block_len` (block diffusion) the EOS padding ends at a block boundary (the engine
+    stops after the block holding the end of turn) and T is a multiple of the block."""
+    align = math.lcm(8, block_len or 8)
     exs = [tasks.sample(rng, "train") for _ in range(batch_size)]
     texts = [
         tok.apply_chat_template(tasks.messages_for(e), add_generation_prompt=True, tokenize=False)
@@ -126,10 +144,14 @@ def make_batch(
     for prompt, ans in zip(prompts, answers, strict=True):
         prompt = split_blank_lines(prompt, sp) if rng.random() < 0.5 else list(prompt)
         answer = list(ans) + [sp.eot]
-        canvas = canvas_length(rng, len(answer))
+        if block_len:  # block diffusion: up to the end of the eot's block, or one block more
+            end = -(-(len(prompt) + len(answer)) // block_len) * block_len
+            canvas = end - len(prompt) + (block_len if rng.random() < 0.5 else 0)
+        else:
+            canvas = canvas_length(rng, len(answer))
         rows.append(prompt + answer + [sp.eos] * (canvas - len(answer)))
         plen.append(len(prompt))
-    width = -(-max(len(r) for r in rows) // 8) * 8
+    width = -(-max(len(r) for r in rows) // align) * align
     ids = torch.tensor([r + [sp.eos] * (width - len(r)) for r in rows], dtype=torch.long)
     return ids, torch.tensor(plen), torch.tensor([len(r) for r in rows])
 
@@ -137,8 +159,11 @@ def make_batch(
 class BatchStream(IterableDataset):
     """Endless training batches; each worker draws from its own seeded generator."""
 
-    def __init__(self, tok_dir: str, sp: Special, batch_size: int, seed: int) -> None:
+    def __init__(
+        self, tok_dir: str, sp: Special, batch_size: int, seed: int, block_len: int | None
+    ) -> None:
         self.tok_dir, self.sp, self.batch_size, self.seed = tok_dir, sp, batch_size, seed
+        self.block_len = block_len
 
     def __iter__(self):
         info = get_worker_info()
@@ -146,7 +171,7 @@ class BatchStream(IterableDataset):
         rng = random.Random(self.seed * 1_000_003 + worker)
         tok = AutoTokenizer.from_pretrained(self.tok_dir)
         while True:
-            yield make_batch(rng, tok, self.sp, self.batch_size)
+            yield make_batch(rng, tok, self.sp, self.batch_size, self.block_len)
 
 
 def init_weights(model: nn.Module, n_layers: int) -> None:
@@ -155,7 +180,7 @@ def init_weights(model: nn.Module, n_layers: int) -> None:
         if p.dim() < 2:
             continue
         std = 0.02
-        if name.endswith("attn_out.weight") or (
+        if name.endswith(("attn_out.weight", "o_proj.weight", "down_proj.weight")) or (
             "blocks" in name and name.endswith("ff_out.weight")
         ):
             std = 0.02 / math.sqrt(2 * n_layers)
@@ -246,22 +271,20 @@ def evaluate(
     k: int = 1,
     amp: bool = False,
     chunk: int = 256,
+    block: int | None = None,
 ) -> dict[str, float]:
-    """Exact-match accuracy overall and per task with `greedy_decode`."""
+    """Exact-match accuracy overall and per task: `greedy_decode`, or `block_greedy_decode`
+    with blocks of `block` for a block-diffusion model."""
     was_training = model.training
     model.eval()
     hits: dict[str, list[int]] = {}
     for s in range(0, len(examples), chunk):
         part = examples[s : s + chunk]
-        outs = greedy_decode(
-            model,
-            [encode_prompt(tok, e.question) for e in part],
-            sp,
-            canvas,
-            k,
-            min(canvas, 32),
-            amp,
-        )
+        prompts = [encode_prompt(tok, e.question) for e in part]
+        if block:
+            outs = block_greedy_decode(model, prompts, sp.mask, sp.eos, canvas, k, block, amp)
+        else:
+            outs = greedy_decode(model, prompts, sp, canvas, k, min(canvas, 32), amp)
         for e, o in zip(part, outs, strict=True):
             hits.setdefault(e.task, []).append(int(answer_text(tok, o, sp) == e.answer))
     model.train(was_training)
@@ -283,14 +306,23 @@ def lr_at(step: int, progress: float, warmup: int, peak: float, floor_ratio: flo
 
 
 def save(
-    model: nn.Module, cfg: dict[str, Any], sp: Special, out: Path, summary: dict[str, Any]
+    model: nn.Module,
+    cfg: dict[str, Any],
+    sp: Special,
+    out: Path,
+    summary: dict[str, Any],
+    family: str = "llada",
 ) -> None:
-    """Write the checkpoint in LLaDA's published layout (bf16 weights, one shard)."""
+    """Write the checkpoint in the family's published layout (bf16 weights, one shard)."""
     out.mkdir(parents=True, exist_ok=True)
-    build_char_tokenizer(out, "llada")
+    build_char_tokenizer(out, family)
     state = {k: v.detach().to("cpu", torch.bfloat16) for k, v in model.state_dict().items()}
     write_checkpoint(out, cfg, state, shards=1)
-    gen = {"bos_token_id": sp.bos, "eos_token_id": sp.eos, "pad_token_id": sp.eos}
+    if family == "sdar":  # as SDAR publishes it: end of turn, then end of text; no BOS
+        gen: dict[str, Any] = {"bos_token_id": sp.eos, "eos_token_id": [sp.eot, sp.eos]}
+        gen["pad_token_id"] = sp.eos
+    else:
+        gen = {"bos_token_id": sp.bos, "eos_token_id": sp.eos, "pad_token_id": sp.eos}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
@@ -306,6 +338,9 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--family", choices=["llada", "sdar"], default="llada", help="checkpoint layout")
+    p.add_argument("--block-size", type=int, default=4, help="SDAR block length")
+    p.add_argument("--kv-heads", type=int, default=0, help="SDAR key/value heads (0 = all)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--minutes", type=float, default=9.0, help="training time budget")
     p.add_argument(
@@ -330,16 +365,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tok_dir = Path(tempfile.mkdtemp(prefix="tiny-dlm-tok-"))
-    ids = build_char_tokenizer(tok_dir, "llada")
-    tok = AutoTokenizer.from_pretrained(str(tok_dir))
-    sp = Special.from_tokenizer(tok)
+def model_config(args: argparse.Namespace, ids: dict[str, int]) -> dict[str, Any]:
+    """config.json of the model to train, in its family's published keys."""
+    if args.family == "sdar":
+        return sdar_config(
+            vocab_size_for(ids),
+            ids,
+            hidden_size=args.d_model,
+            num_hidden_layers=args.n_layers,
+            num_attention_heads=args.n_heads,
+            num_key_value_heads=args.kv_heads or args.n_heads,
+            head_dim=args.d_model // args.n_heads,
+            intermediate_size=args.mlp,
+            block_size=args.block_size,
+            rope_theta=args.rope_theta,
+            torch_dtype="bfloat16",
+        )
     cfg = llada_config(
         vocab_size_for(ids),
         ids,
@@ -351,6 +392,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch_dtype="bfloat16",
     )
     cfg["max_sequence_length"] = 1024
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok_dir = Path(tempfile.mkdtemp(prefix=f"tiny-{args.family}-tok-"))
+    ids = build_char_tokenizer(tok_dir, args.family)
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    sp = Special.from_tokenizer(tok, args.family)
+    block = args.block_size if args.family == "sdar" else None
+    cfg = model_config(args, ids)
 
     dev = torch.device(args.device)
     amp = dev.type == "cuda"
@@ -359,7 +415,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if amp:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    model = build_model(LLADA, cfg)
+    model = build_model(SDAR if block else LLADA, cfg)
     init_weights(model, args.n_layers)
     if args.init:
         model.load_state_dict(read_weights(Path(args.init)), strict=True)
@@ -377,7 +433,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fused=amp,
     )
     heldout = tasks.heldout_examples(args.eval_n)
-    stream = BatchStream(str(tok_dir), sp, args.batch_size, args.seed)
+    stream = BatchStream(str(tok_dir), sp, args.batch_size, args.seed, block)
     loader = DataLoader(
         stream,
         batch_size=None,
@@ -419,7 +475,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         lr = lr_at(step, progress, warmup, args.lr, args.min_lr_ratio)
         for g in opt.param_groups:
             g["lr"] = lr
-        loss = diffusion_loss(model, ids_b, plen_b, tlen_b, sp.mask, amp)
+        if block:
+            loss = block_diffusion_loss(model, ids_b, plen_b, tlen_b, sp.mask, block, amp)
+        else:
+            loss = diffusion_loss(model, ids_b, plen_b, tlen_b, sp.mask, amp)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -443,7 +502,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         frac = step / args.steps if args.steps else (time.time() - t0) / budget
         if args.evals > 1 and frac >= next_eval / args.evals and next_eval < args.evals:
             next_eval += 1
-            acc = evaluate(model, tok, sp, heldout[:240], amp=amp)
+            acc = evaluate(model, tok, sp, heldout[:240], amp=amp, block=block)
             evals.append({"step": step, "minutes": (time.time() - t0) / 60, "acc": acc})
             print(
                 f"\nstep {step} loss {float(loss):.4f} held-out acc {json.dumps(acc)}", flush=True
@@ -452,8 +511,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train_s = time.time() - t0
     final: dict[str, Any] = {}
     for k in (1, 2, 4):
-        final[f"canvas32_k{k}"] = evaluate(model, tok, sp, heldout, CANVAS_EVAL, k, amp)
-    final["canvas64_k1"] = evaluate(model, tok, sp, heldout, CANVAS_MAX, 1, amp)
+        final[f"canvas32_k{k}"] = evaluate(
+            model, tok, sp, heldout, CANVAS_EVAL, k, amp, block=block
+        )
+    final["canvas64_k1"] = evaluate(model, tok, sp, heldout, CANVAS_MAX, 1, amp, block=block)
     summary = {
         "params": n_params,
         "device": torch.cuda.get_device_name(dev) if amp else "cpu",
@@ -468,7 +529,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "evals_during_training": evals,
         "loss_history": history[-40:],
     }
-    save(model, cfg, sp, out, summary)
+    save(model, cfg, sp, out, summary, args.family)
     print(
         json.dumps({k: v for k, v in summary.items() if k != "loss_history"}, indent=1), flush=True
     )
