@@ -9,15 +9,34 @@ from pathlib import Path
 from typing import Any
 
 from dlm_protocol import PARAMS, Param
-from dlm_triton.launcher import DEFAULT_MODEL, Ports, StartAborted, TritonServerProcess
+from dlm_triton.launcher import (
+    DEFAULT_MODEL,
+    EMBEDDED_COMPANIONS,
+    Ports,
+    StartAborted,
+    TritonServerProcess,
+    embedded_companions,
+)
 
 
 def _serve_parser(sub: Any) -> None:
-    p = sub.add_parser("serve", help="start tritonserver (and the OpenAI proxy) for one model")
+    p = sub.add_parser("serve", help="start tritonserver (and the OpenAI proxy) for a model")
     p.add_argument(
         "--model",
         default=None,
         help=f"checkpoint directory, hub id, or name in model_repository/ (default {DEFAULT_MODEL})",
+    )
+    also = p.add_mutually_exclusive_group()
+    also.add_argument(
+        "--also",
+        action="append",
+        metavar="NAME",
+        help="one more model of model_repository/ for the same tritonserver (repeatable; only "
+        "beside a model of model_repository/); default without --model: the embedded "
+        f"{', '.join(EMBEDDED_COMPANIONS)} where present",
+    )
+    also.add_argument(
+        "--no-also", action="store_true", help="serve the main model only (no companions)"
     )
     p.add_argument("--model-name", help="Triton model name for a checkpoint directory")
     p.add_argument(
@@ -138,6 +157,16 @@ def download(args: argparse.Namespace) -> int:
     return 0
 
 
+def served_also(args: argparse.Namespace) -> list[str]:
+    """The models served beside the main one: ``--also``; else, for the embedded default
+    (no ``--model``), the embedded companions present; none with ``--no-also`` or ``--model``."""
+    if args.also:
+        return list(args.also)
+    if args.no_also or args.model is not None:
+        return []
+    return embedded_companions()
+
+
 def serve(args: argparse.Namespace) -> int:
     engine_params = {
         k: str(v)
@@ -149,6 +178,7 @@ def serve(args: argparse.Namespace) -> int:
         }.items()
         if v is not None
     }
+    also = served_also(args)
     server = TritonServerProcess(
         args.model,
         model_name=args.model_name,
@@ -167,8 +197,12 @@ def serve(args: argparse.Namespace) -> int:
         verbose=args.verbose,
         restrict_admin=not args.no_restrict_admin,
         admin_key_file=args.admin_key_file,
+        also=also,
     )
-    print(f"starting tritonserver for {args.model or DEFAULT_MODEL} ...", file=sys.stderr)
+    with_also = f" (also {', '.join(also)})" if also else ""
+    print(
+        f"starting tritonserver for {args.model or DEFAULT_MODEL}{with_also} ...", file=sys.stderr
+    )
     server.install_signal_handlers()  # before start: a stop during loading cleans up too
     try:
         server.start()
@@ -187,6 +221,8 @@ def serve(args: argparse.Namespace) -> int:
         f"--url {server.urls['grpc']} --stream   (Ctrl-C stops)",
         flush=True,
     )
+    for name in server.model_names[1:]:
+        print(f"also served: --model {name}", flush=True)
     return server.serve_forever()
 
 

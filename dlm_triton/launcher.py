@@ -22,11 +22,12 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dlm_triton import admin_key, model_repo
-from dlm_triton.checkpoint_fetch import fetch_checkpoint
+from dlm_triton.checkpoint_fetch import fetch_checkpoint, served_checkpoint
 from dlm_triton.procs import (
     alive,
     cmdline,
@@ -42,15 +43,18 @@ from dlm_triton.procs import (
 )
 from dlm_triton.runtime_info import model_info
 from dlm_triton.server_dist import ServerDist, find_server
+from dlm_triton.settings import ENV_OVERRIDES
 from dlm_triton.supervisor import Supervisor
 
 __all__ = [
     "DEFAULT_MODEL",
+    "EMBEDDED_COMPANIONS",
     "SHM_DIR",
     "SHM_PREFIX",
     "STUB_NAME",
     "Ports",
     "TritonServerProcess",
+    "embedded_companions",
     "free_port",
     "free_ports",
 ]
@@ -59,12 +63,45 @@ STUB_NAME = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "triton_python_backend_shm_region"
 DEFAULT_MODEL = "tiny-dlm"
+# Served beside DEFAULT_MODEL by a plain `dlm-triton serve` (no --model; --no-also turns it
+# off): other embedded models of the committed repository, loaded by the same tritonserver.
+# Only those present are served (their model_repository/ entry and embedded checkpoint exist,
+# see embedded_companions), so the CLI works the same before an asset has landed.
+EMBEDDED_COMPANIONS = ("tiny-sdar",)
+# One environment for every model of a server: a checkpoint override there reaches them all.
+SHARED_CHECKPOINT_VAR = ENV_OVERRIDES["checkpoint"]
 PROXY_DRAIN_S = float(os.environ.get("DLM_PROXY_STOP_TIMEOUT", "30"))  # proxy drains, then SIGKILL
 
 
 def committed_repository() -> Path:
     """``model_repository/`` beside the package (``DLM_MODEL_REPOSITORY`` overrides)."""
     return Path(os.environ.get("DLM_MODEL_REPOSITORY", model_repo.COMMITTED_REPOSITORY))
+
+
+def repository_models(repo: Path) -> list[str]:
+    """The model names of a repository (folders with a ``config.pbtxt``)."""
+    if not repo.is_dir():
+        return []
+    return sorted(p.name for p in repo.iterdir() if (p / "config.pbtxt").exists())
+
+
+def embedded_companions(environ: dict[str, str] | None = None) -> list[str]:
+    """The :data:`EMBEDDED_COMPANIONS` that can be served now: a ``config.pbtxt`` in the
+    committed repository whose checkpoint is a local folder (the embedded asset). None while
+    ``DLM_CHECKPOINT`` is set: every model of the server would read it."""
+    env = os.environ if environ is None else environ
+    if env.get(SHARED_CHECKPOINT_VAR):
+        return []
+    repo = committed_repository()
+    found = []
+    for name in EMBEDDED_COMPANIONS:
+        config = repo / name / "config.pbtxt"
+        if not config.exists():
+            continue
+        checkpoint, _ = served_checkpoint(config, {})
+        if checkpoint is not None and Path(checkpoint).is_dir():
+            found.append(name)
+    return found
 
 
 @dataclass
@@ -87,12 +124,22 @@ class ModelChoice:
     name: str
     env: dict[str, str]
     runtime_dir: Path | None = None  # written by us, removed at stop
+    also: list[str] = field(default_factory=list)  # more models of the repository, same env
+
+    @property
+    def names(self) -> list[str]:
+        """Every model tritonserver loads, the main one first."""
+        return [self.name, *self.also]
 
 
 def proxy_command(
-    ports: Ports, model_name: str, address: str, admin_key_file: Path | None = None
+    ports: Ports,
+    model_name: str | Sequence[str],
+    address: str,
+    admin_key_file: Path | None = None,
 ) -> list[str] | None:
     """How to start the OpenAI proxy, or None while ``openai_proxy`` has no entry point.
+    ``model_name``: the model(s) it serves (one ``--model`` each, the main one first).
     The proxy gets the admin key file (given, or the default one if it exists)."""
     import importlib.util
 
@@ -100,6 +147,8 @@ def proxy_command(
         return None
     key_file = admin_key_file or admin_key.default_key_file()
     key_args = ["--triton-admin-key-file", str(key_file)] if key_file.is_file() else []
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    model_args = [arg for name in names for arg in ("--model", name)]
     return [
         sys.executable,
         "-m",
@@ -110,8 +159,7 @@ def proxy_command(
         str(ports.proxy),
         "--triton-grpc",
         f"127.0.0.1:{ports.grpc}",
-        "--model",
-        model_name,
+        *model_args,
         "--triton-metrics-url",
         f"http://127.0.0.1:{ports.metrics}/metrics",
         *key_args,
@@ -123,10 +171,13 @@ class StartAborted(RuntimeError):
 
 
 class TritonServerProcess:
-    """tritonserver (+ optional proxy) for one model; a context manager.
+    """tritonserver (+ optional proxy) for one model, or several; a context manager.
 
     ``model`` is a checkpoint directory (a runtime repository is written for it), a name in
-    ``model_repository/``, or None for the embedded default ``tiny-dlm``.
+    ``model_repository/``, or None for the embedded default ``tiny-dlm``. ``also`` names more
+    models of that repository for the same tritonserver (only beside a repository model): the
+    env overrides (device, dtype, limits) apply to each, the proxy serves each (the main one
+    first), and a dead stub of any of them restarts the server with all of them.
     """
 
     def __init__(
@@ -151,8 +202,10 @@ class TritonServerProcess:
         verbose: bool = False,
         restrict_admin: bool = True,
         admin_key_file: Path | None = None,
+        also: Sequence[str] = (),
     ) -> None:
         self.model = model
+        self.also = [also] if isinstance(also, str) else list(also)
         self.device = ("cuda" if has_gpu() else "cpu") if device == "auto" else device
         self.dtype, self.quantization = dtype, quantization
         self.engine_params = dict(engine_params or {})
@@ -211,6 +264,12 @@ class TritonServerProcess:
         is_spec = (
             any(c in target for c in "/:") and not path.exists() and not (repo / target).exists()
         )
+        if (is_dir or is_spec) and self.also:
+            raise ValueError(
+                f"--also {', '.join(self.also)}: more models are served only beside a model of "
+                f"{repo}, and --model {target!r} is a checkpoint (served from a runtime "
+                "repository of its own); serve it alone (without --also, or --no-also)"
+            )
         if is_dir or is_spec:
             checkpoint = str(path.resolve()) if is_dir else target
             base = path.resolve().name if is_dir else target.replace(":", "-").rsplit("/", 1)[-1]
@@ -229,13 +288,53 @@ class TritonServerProcess:
                 f"a hub id, nor a model in {repo} ({', '.join(known)})"
             )
         env = {f"DLM_{k.upper()}": v for k, v in self._overrides().items()}
-        return ModelChoice(repo, target, env)
+        choice = ModelChoice(repo, target, env)
+        if self.also:
+            choice.also = self._check_also(choice)
+        return choice
+
+    def _check_also(self, choice: ModelChoice) -> list[str]:
+        """The ``also`` names, checked: models of ``choice``'s repository, no duplicates, and
+        nothing one model's checkpoint needs that every model of the server would read."""
+        repo, known = choice.repository, repository_models(choice.repository)
+        seen = {choice.name}
+        for name in self.also:
+            if not (repo / name / "config.pbtxt").exists():
+                raise ValueError(
+                    f"--also {name!r} is not a model in {repo} (known: {', '.join(known)})"
+                )
+            if name in seen:
+                what = "the main model" if name == choice.name else "given twice"
+                raise ValueError(f"--also {name!r} is {what}: each model is served once")
+            seen.add(name)
+        environ = {**os.environ, **choice.env}
+        if environ.get(SHARED_CHECKPOINT_VAR):
+            raise ValueError(
+                f"--also: {SHARED_CHECKPOINT_VAR} is set, and every model of the server would "
+                "load that checkpoint; serve the model alone (without --also, or --no-also)"
+            )
+        for name in (choice.name, *self.also):
+            checkpoint, _ = served_checkpoint(repo / name / "config.pbtxt", environ)
+            if checkpoint is not None and "/" in checkpoint and not Path(checkpoint).exists():
+                raise ValueError(
+                    f"--also: {name!r} loads {checkpoint}, no local folder: a Hub id is fetched "
+                    f"by the launcher and handed to the model through {SHARED_CHECKPOINT_VAR}, "
+                    "which every model of the server reads; serve it alone (without --also, "
+                    "or --no-also)"
+                )
+        return list(self.also)
 
     # ----------------------------------------------------------------- urls
     @property
     def model_name(self) -> str:
         assert self.choice is not None, "start() first"
         return self.choice.name
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every model this server loads, :attr:`model_name` first."""
+        assert self.choice is not None, "start() first"
+        return self.choice.names
 
     @property
     def urls(self) -> dict[str, str]:
@@ -278,7 +377,7 @@ class TritonServerProcess:
             metrics_port=self.ports.metrics,
             address=self.address,
             model_config_name=config_name,
-            models=[self.choice.name],
+            models=self.choice.names,
             gpu_metrics=self.gpu_metrics,
             log_verbose=1 if self.verbose else 0,
             exit_timeout_s=self.exit_timeout_s,
@@ -332,6 +431,7 @@ class TritonServerProcess:
             raise StartAborted("stopped before the server was ready")
         base = f"http://127.0.0.1:{self.ports.http}"
         deadline = time.monotonic() + self.ready_timeout_s
+        waiting = self.choice.names
         while time.monotonic() < deadline:
             self._record_stubs()
             if self.stop_requested.is_set():
@@ -342,20 +442,23 @@ class TritonServerProcess:
             if server.poll() is not None:
                 raise RuntimeError(
                     f"tritonserver exited with {server.returncode} while loading "
-                    f"{self.choice.name}{self._log_tail()}"
+                    f"{', '.join(self.choice.names)}{self._log_tail()}"
                 )
-            if http_ok(f"{base}/v2/health/ready") and http_ok(
-                f"{base}/v2/models/{self.choice.name}/ready"
-            ):
-                self._record_stubs()
-                return
+            if http_ok(f"{base}/v2/health/ready"):
+                waiting = [n for n in waiting if not http_ok(f"{base}/v2/models/{n}/ready")]
+                if not waiting:
+                    self._record_stubs()
+                    return
             time.sleep(0.5)
-        raise TimeoutError(f"tritonserver not ready in {self.ready_timeout_s}s{self._log_tail()}")
+        raise TimeoutError(
+            f"tritonserver not ready in {self.ready_timeout_s}s (not ready: "
+            f"{', '.join(waiting)}){self._log_tail()}"
+        )
 
     def _start_proxy(self) -> None:
         assert self.choice is not None
         key_file = self.admin_key_file if self.restrict_admin else None
-        cmd = proxy_command(self.ports, self.choice.name, self.address, key_file)
+        cmd = proxy_command(self.ports, self.choice.names, self.address, key_file)
         if cmd is None:
             print("openai_proxy has no entry point yet: serving Triton only", file=sys.stderr)
             return
@@ -559,5 +662,11 @@ class TritonServerProcess:
         return model_info(text, self.model_name)
 
     def describe(self) -> str:
-        info = {"model": self.model_name, "device": self.device, **self.runtime(), **self.urls}
+        info = {
+            "model": self.model_name,
+            "models": self.model_names,
+            "device": self.device,
+            **self.runtime(),
+            **self.urls,
+        }
         return json.dumps(info, indent=2)
