@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -48,7 +49,9 @@ class Result:
     accuracy: float
     per_task: dict[str, float]
     mean_nfe: float
-    tokens_per_forward: float  # canvas positions decided per forward (max_tokens / NFE)
+    # canvas positions decided per forward (max_tokens / NFE); NaN for block diffusion, which
+    # stops after the block holding the end of turn, so its canvas is not max_tokens
+    tokens_per_forward: float
     answer_tokens_per_forward: float  # completion tokens (no padding) per forward
     seconds: float
     wrong: list[dict[str, str]] = field(default_factory=list)
@@ -106,10 +109,39 @@ def accel_settings(max_tokens: int, block: int = 8) -> list[Setting]:
     return out
 
 
+def block_settings(max_tokens: int, block: int = 4) -> list[Setting]:
+    """Issue 16, the embedded block-diffusion tiny-sdar (blocks of 4): SDAR's four commit
+    rules; `steps` counts per block, so k = block / steps tokens a forward for the static
+    rules and at least that many for the dynamic and entropy-bounded ones."""
+    mt = {"max_tokens": max_tokens}
+    out = [
+        Setting(f"k={k}", dict(mt, algorithm="low_confidence_static", steps=block // k))
+        for k in (1, 2, 4)
+    ]
+    out += [
+        Setting(f"threshold={t}", dict(mt, algorithm="low_confidence_dynamic", threshold=t))
+        for t in (0.95, 0.9, 0.8, 0.7, 0.5)
+    ]
+    out += [
+        Setting(f"entropy_bounded={e}", dict(mt, algorithm="entropy_bounded", threshold=e))
+        for e in (0.1, 0.5, 1.0, 2.0)
+    ]
+    out += [
+        Setting(f"sequential k={k}", dict(mt, algorithm="sequential", steps=block // k))
+        for k in (1, 2)
+    ]
+    return out
+
+
 def run_setting(
-    engine: Engine, examples: list[tasks.Example], prompts: list[list[int]], setting: Setting
+    engine: Engine,
+    examples: list[tasks.Example],
+    prompts: list[list[int]],
+    setting: Setting,
+    whole_canvas: bool = True,
 ) -> Result:
-    """All prompts through the engine at once; returns exact match and forwards used."""
+    """All prompts through the engine at once; returns exact match and forwards used.
+    `whole_canvas`: every request decodes all of max_tokens (LLaDA, Dream)."""
     params = SamplingParams(temperature=0.0, **setting.params)
     finals: dict[str, Any] = {}
     t0 = time.perf_counter()
@@ -138,11 +170,15 @@ def run_setting(
         accuracy=sum(sum(v) for v in hits.values()) / n,
         per_task={t: sum(v) / len(v) for t, v in hits.items()},
         mean_nfe=nfe / n,
-        tokens_per_forward=setting.params["max_tokens"] * n / nfe,
+        tokens_per_forward=setting.params["max_tokens"] * n / nfe if whole_canvas else math.nan,
         answer_tokens_per_forward=completion / nfe,
         seconds=seconds,
         wrong=wrong,
     )
+
+
+def _cell(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.2f}"
 
 
 def markdown_table(results: list[Result]) -> str:
@@ -159,13 +195,13 @@ def markdown_table(results: list[Result]) -> str:
         tasks_cells = " | ".join(f"{100 * r.per_task[t]:.1f}" for t in task_names)
         rows.append(
             f"| {r.name} | **{100 * r.accuracy:.1f}%** | {r.mean_nfe:.2f} | "
-            f"{r.tokens_per_forward:.2f} | {r.answer_tokens_per_forward:.2f} | {tasks_cells} | "
+            f"{_cell(r.tokens_per_forward)} | {r.answer_tokens_per_forward:.2f} | {tasks_cells} | "
             f"{r.seconds:.0f} |"
         )
     return "\n".join(rows)
 
 
-def plot(results: list[Result], path: Path, n: int) -> None:
+def plot(results: list[Result], path: Path, n: int, model: str = "tiny-dlm") -> None:
     """Accuracy against tokens per forward and against NFE (log2 axes); one point a setting."""
     import matplotlib
 
@@ -205,7 +241,7 @@ def plot(results: list[Result], path: Path, n: int) -> None:
         ax.set_ylim(max(0.0, lo - 5), 100.5)
         ax.grid(alpha=0.3, which="both")
     axes[0].legend(loc="lower left")
-    fig.suptitle(f"tiny-dlm: {n} held-out prompts, T=0, canvas 32, through dlm_engine")
+    fig.suptitle(f"{model}: {n} held-out prompts, T=0, canvas 32, through dlm_engine")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -223,10 +259,11 @@ def main(argv: list[str] | None = None) -> list[Result]:
     p.add_argument("--only", nargs="*", help="setting names to run (default: all)")
     p.add_argument(
         "--sweep",
-        choices=("parallel", "cache", "accel"),
+        choices=("parallel", "cache", "accel", "block"),
         default="parallel",
         help="parallel: k tokens/step and thresholds; cache: exact vs prefix vs dual KV caches; "
-        "accel: LocalLeap, d3LLM entropy threshold / multi-block, Fast-dLLM factor",
+        "accel: LocalLeap, d3LLM entropy threshold / multi-block, Fast-dLLM factor; "
+        "block: SDAR's commit rules (with --model dlm_engine/assets/tiny-sdar)",
     )
     p.add_argument("--plot", default=str(ROOT / "docs" / "quality_tradeoff.png"))
     p.add_argument("--no-plot", action="store_true")
@@ -259,21 +296,27 @@ def main(argv: list[str] | None = None) -> list[Result]:
         flush=True,
     )
     results: list[Result] = []
-    sweep = {"parallel": settings, "cache": cache_settings, "accel": accel_settings}[args.sweep]
+    sweeps = {
+        "parallel": settings,
+        "cache": cache_settings,
+        "accel": accel_settings,
+        "block": block_settings,
+    }
+    sweep = sweeps[args.sweep]
     for s in sweep(args.max_tokens):
         if args.only and s.name not in args.only:
             continue
-        r = run_setting(engine, examples, prompts, s)
+        r = run_setting(engine, examples, prompts, s, whole_canvas=args.sweep != "block")
         results.append(r)
         print(
             f"{r.name:>14}: exact match {100 * r.accuracy:5.1f}%  NFE {r.mean_nfe:6.2f}  "
-            f"tokens/forward {r.tokens_per_forward:4.2f}  ({r.seconds:.0f} s)",
+            f"answer tokens/forward {r.answer_tokens_per_forward:4.2f}  ({r.seconds:.0f} s)",
             flush=True,
         )
     print()
     print(markdown_table(results))
-    if not args.no_plot and results and args.sweep == "parallel":
-        plot(results, Path(args.plot), args.n)
+    if not args.no_plot and results and args.sweep in ("parallel", "block"):
+        plot(results, Path(args.plot), args.n, Path(args.model).name)
         print(f"\nplot: {args.plot}")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")

@@ -66,9 +66,10 @@ class ModelSpec:
 
 
 # The committed repository. Hub ids are resolved by the engine's loader (local HF cache);
-# "tiny-dlm" is the checkpoint embedded in dlm_engine/assets/.
+# "tiny-dlm" and "tiny-sdar" (block diffusion, issue 16) are embedded in dlm_engine/assets/.
 MODELS = [
     ModelSpec("tiny-dlm", "tiny-dlm", max_rows=16, max_canvas=512, max_prompt=1024),
+    ModelSpec("tiny-sdar", "tiny-sdar", max_rows=16, max_canvas=512, max_prompt=1024),
     ModelSpec("llada-8b-instruct", "GSAI-ML/LLaDA-8B-Instruct", dtype="bfloat16"),
     ModelSpec("llada-1.5", "GSAI-ML/LLaDA-1.5", dtype="bfloat16"),
     ModelSpec("dream-v0-instruct-7b", "Dream-org/Dream-v0-Instruct-7B", dtype="bfloat16"),

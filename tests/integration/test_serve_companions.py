@@ -1,9 +1,10 @@
-"""``dlm-triton serve`` with a companion: the embedded default ``tiny-dlm`` and a second model
-of the same repository (a tiny random SDAR checkpoint here, ``tiny-sdar`` once it is embedded)
-in one tritonserver, behind one OpenAI proxy, drained and stopped as one unit.
+"""``dlm-triton serve`` with a companion, as ``make serve`` runs it: the embedded default
+``tiny-dlm`` and the embedded block-diffusion ``tiny-sdar`` of the committed repository in one
+tritonserver, behind one OpenAI proxy, drained and stopped as one unit.
 
 One server start (two models load on a 2-core CPU): readiness of both, gRPC generation from
-each, the proxy's model list and a chat completion naming the second, a restart after the
+each, the proxy's model list and a held-out question answered correctly by the block-diffusion
+model through the proxy with the official ``openai`` client, a restart after the
 second model's stub dies (both come back), then a stop with a request of each model still
 generating: both models see the shared drain file, nothing is killed and no stub or shm
 region is left.
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import threading
 import time
@@ -24,7 +24,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from dlm_client import DLMClient, DLMError
 
-from dlm_triton import model_repo
+from dlm_engine.training import tasks
 from dlm_triton.launcher import DEFAULT_MODEL, Ports, TritonServerProcess
 from dlm_triton.procs import http_text
 from dlm_triton.runtime_info import model_info
@@ -40,19 +40,6 @@ LONG = {
 }
 
 
-@pytest.fixture(scope="module")
-def companion_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The committed ``tiny-dlm`` entry and a ``tiny-sdar`` entry for a random checkpoint."""
-    testing = pytest.importorskip("dlm_engine.testing")
-    root = tmp_path_factory.mktemp("companions")
-    checkpoint = testing.make_tiny_checkpoint(root / "tiny-sdar-ckpt", "sdar")
-    repo = root / "repository"
-    shutil.copytree(model_repo.COMMITTED_REPOSITORY / DEFAULT_MODEL, repo / DEFAULT_MODEL)
-    spec = model_repo.ModelSpec(COMPANION, str(checkpoint), max_rows=4, max_canvas=512)
-    model_repo.write_model(repo, spec)
-    return repo
-
-
 def _gone(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
@@ -62,14 +49,14 @@ def _gone(pid: int) -> bool:
 
 
 def test_default_model_and_companion_in_one_server(
-    companion_repository: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     try:
         find_server()
     except TritonNotFoundError:
         pytest.skip("no tritonserver available")
     pytest.importorskip("openai_proxy.__main__")
-    monkeypatch.setenv("DLM_MODEL_REPOSITORY", str(companion_repository))
+    monkeypatch.delenv("DLM_MODEL_REPOSITORY", raising=False)  # the committed one
     monkeypatch.delenv("DLM_CHECKPOINT", raising=False)
     log = tmp_path / "triton.log"
     server = TritonServerProcess(
@@ -116,15 +103,16 @@ def test_default_model_and_companion_in_one_server(
                 break
             time.sleep(0.3)
         assert set(names) <= set(listed), listed
-        body = {
-            "model": COMPANION,
-            "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 8,
-        }
-        r = httpx.post(f"{base}/chat/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        assert r.json()["model"] == COMPANION
-        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        openai = pytest.importorskip("openai")
+        question = next(e for e in tasks.heldout_examples(12) if e.task == "reverse")
+        chat = openai.OpenAI(base_url=base, api_key="unused").chat.completions.create(
+            model=COMPANION,
+            messages=tasks.messages_for(question),
+            max_tokens=32,
+            temperature=0,
+        )
+        assert chat.model == COMPANION and chat.choices[0].finish_reason == "stop"
+        assert chat.choices[0].message.content.strip() == question.answer
 
         # The companion's stub dies: the whole server comes back with both models (the one
         # restart the supervisor would make; called here to keep the test deterministic).

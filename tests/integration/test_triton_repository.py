@@ -16,6 +16,7 @@ from dlm_triton.settings import resolve_settings
 
 EXPECTED_MODELS = {
     "tiny-dlm",
+    "tiny-sdar",
     "llada-8b-instruct",
     "llada-1.5",
     "dream-v0-instruct-7b",
