@@ -100,8 +100,17 @@ def _check(engine: Engine, cases: list[dict], reference) -> None:
     assert alone == expected
     assert [o.token_ids for o in batched] == expected
     assert engine.runner.forward_passes - forwards0 == engine.total_forwards - steps0
-    assert not engine.runner.slots, "every finished request gave its cache slot back"
+    _assert_pages_back(engine)
     assert any(len(e) > 4 for e in expected), "the cases must decode past a block"
+
+
+def _assert_pages_back(engine: Engine) -> None:
+    """No row holds a page or a reservation: every page is free or idle (cached)."""
+    bp = engine.runner.block_pages
+    assert not bp.rows, "every finished request gave its pages back"
+    pool = bp.pool
+    assert pool.reserved == 0 and not any(pool.refs)
+    assert pool.available == pool.pages == len(pool.free) + len(pool.idle)
 
 
 def test_sdar_engine_equals_reference_alone_and_batched(sdar: Engine) -> None:
@@ -126,15 +135,15 @@ def test_a_step_feeds_only_the_active_block_after_the_first(sdar: Engine) -> Non
     assert fed < out.steps * (len(prompt) // 2), "the cache must make later steps short"
 
 
-def test_abort_frees_the_cache_slot(sdar: Engine) -> None:
+def test_abort_frees_the_pages(sdar: Engine) -> None:
     prompt = sdar.encode_prompt(text="abc")
     rid = sdar.add_request(None, prompt, {"max_tokens": 64, "block_length": 4})
     sdar.step()
-    assert rid in sdar.runner.slots
+    assert sdar.runner.block_pages.rows[rid].table
     sdar.abort(rid)
     outs = sdar.step()
     assert any(o.request_id == rid and o.finish_reason == "abort" for o in outs)
-    assert rid not in sdar.runner.slots
+    _assert_pages_back(sdar)
 
 
 @pytest.mark.parametrize(
@@ -188,12 +197,13 @@ def test_prefix_cache_reuses_prompt_blocks_without_changing_tokens(tmp_path: Pat
     system = "You are a careful assistant. Answer in one short line. " * 2
     prompts = [cached.encode_prompt(text=system + q) for q in ("2+2?", "Hi!", "Name a color.")]
     params = {"max_tokens": 12, "block_length": 4, "steps": 2}
-    first = cached.generate(prompts[:1], params)  # stores its prompt blocks
-    rest = cached.generate(prompts[1:], params)  # reuse the shared ones
+    first = cached.generate(prompts[:1], params)  # indexes its prompt pages
+    rest = cached.generate(prompts[1:], params)  # share the common ones
     expected = plain.generate(prompts, params)
     assert [o.token_ids for o in first + rest] == [o.token_ids for o in expected]
     pc = cached.runner.prefix_cache
-    shared = len(system) // 4 * 4  # whole blocks of the shared system prompt (1 char = 1 token)
+    page = cached.runner.block_pages.pool.page_tokens
+    shared = len(system) // page * page  # its whole pages of the system prompt (1 char = 1 token)
     assert pc.hit_tokens >= 2 * shared
     assert 0 < pc.hit_rate < 1
     fed_cached = cached.runner.work["tokens"]
