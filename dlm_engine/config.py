@@ -30,8 +30,8 @@ class EngineConfig:
     fused_kernels: bool = True  # torch.compile the elementwise pieces on CUDA devices
     # issue 16: block-diffusion rows keep their keys/values in pages of one pool
     # (dlm_engine/paged_kv.py). Tokens it holds; 0 = automatic: on CUDA the share
-    # kv_cache_memory_fraction of the memory free after the weights load, on CPU room for
-    # max_rows rows of max_prompt + max_canvas tokens
+    # kv_cache_memory_fraction of the memory free after the weights load, on CPU 32768 tokens
+    # (at least one row of max_prompt + max_canvas, at most max_rows of them)
     kv_cache_tokens: int = 0
     kv_cache_memory_fraction: float = 0.5
     # prompt pages shared across requests (dlm_engine/prefix_cache.py): tokens of cached pages

@@ -25,7 +25,7 @@ from .errors import InvalidRequestError
 from .loader import LoadedModel, load_checkpoint
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
-from .paged_kv import page_size
+from .paged_kv import cpu_pool_tokens, page_size
 from .prompt_limits import check_prompt_bytes, prompt_byte_cap, prompt_bytes
 from .sampling_params import ResolvedParams, SamplingParams, resolve
 from .scheduler import Scheduler
@@ -88,12 +88,13 @@ class Engine:
             else 0
         )
         if self.model_block:  # their keys/values live in pages of one pool, made now
-            page = page_size(self.model_block)
+            # a longest row: prompt, canvas, and the last block's and last page's rounding
+            row = config.max_prompt + config.max_canvas + 2 * page_size(self.model_block)
             self.runner.use_pages(
                 self.model_block,
                 tokens=config.kv_cache_tokens,
                 memory_fraction=config.kv_cache_memory_fraction,
-                cpu_tokens=config.max_rows * (config.max_prompt + config.max_canvas + 2 * page),
+                cpu_tokens=cpu_pool_tokens(config.max_rows, row),
                 prefix_cache_tokens=config.prefix_cache_tokens,
             )
 

@@ -13,8 +13,9 @@ whole blocks: the keys of a block depend on every token of that block).
 
 Pool size: `EngineConfig.kv_cache_tokens` when given; otherwise, on CUDA, the share
 `kv_cache_memory_fraction` of the device memory free when the engine is made (after the
-weights, before any forward: activations and CUDA graphs need the rest), and on CPU room for
-`max_rows` rows at their longest (max_prompt + max_canvas each), so CPU rows never wait.
+weights, before any forward: activations and CUDA graphs need the rest), and on CPU
+CPU_POOL_TOKENS (the whole pool is allocated at once: a budget, not all of the machine's
+memory), raised to one longest row (max_prompt + max_canvas) and capped at `max_rows` of them.
 
 Lifetime: a page is free, in use (reference count >= 1), or idle (count 0, its content
 indexed by the prefix cache: kept for reuse, least recently used first out). Taking a page
@@ -40,11 +41,18 @@ import torch
 log = logging.getLogger(__name__)
 
 MIN_PAGE_TOKENS = 16
+CPU_POOL_TOKENS = 32768  # SDAR-4B in bf16: 4.8 GB
 
 
 def page_size(block: int) -> int:
     """The smallest multiple of `block` holding at least MIN_PAGE_TOKENS tokens."""
     return block * -(-MIN_PAGE_TOKENS // block)
+
+
+def cpu_pool_tokens(max_rows: int, row_tokens: int) -> int:
+    """The CPU pool's default size: CPU_POOL_TOKENS, at least one longest row (so every
+    request the limits accept can run), at most `max_rows` of them (all rows at once)."""
+    return min(max_rows * row_tokens, max(row_tokens, CPU_POOL_TOKENS))
 
 
 def pool_pages(
