@@ -9,9 +9,10 @@ in attention as upstream's do, and the text stops at `max_tokens`.
 
 The KV cache is exact: a finished block's keys and values never change. A row's forward feeds
 its tokens from `kv_upto` (the first position whose stored keys are not final) to the end of
-its active block; everything before is read from its cache slot. After the first step that
-is the active block alone, plus the block just completed (its keys stored once more, now
-with its final tokens: upstream's separate "store KV" forward, folded into the next step).
+its active block; everything before is read from its KV pages (dlm_engine/paged_kv.py; the
+first ones may be a cached prompt prefix shared with other requests). After the first step
+that is the active block alone, plus the block just completed (its keys stored once more,
+now with its final tokens: upstream's separate "store KV" forward, folded into the next step).
 """
 
 from __future__ import annotations

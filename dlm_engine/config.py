@@ -28,7 +28,15 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay captured graphs for the forwards on CUDA devices
     max_cuda_graphs: int = 96  # shapes kept captured (one shared activation pool)
     fused_kernels: bool = True  # torch.compile the elementwise pieces on CUDA devices
-    # issue 16: keys/values of block-diffusion prompt blocks kept for reuse (tokens; 0 = off)
+    # issue 16: block-diffusion rows keep their keys/values in pages of one pool
+    # (dlm_engine/paged_kv.py). Tokens it holds; 0 = automatic: on CUDA the share
+    # kv_cache_memory_fraction of the memory free after the weights load, on CPU 32768 tokens
+    # (at least one row of max_prompt + max_canvas, at most max_rows of them)
+    kv_cache_tokens: int = 0
+    kv_cache_memory_fraction: float = 0.5
+    # prompt pages shared across requests (dlm_engine/prefix_cache.py): tokens of cached pages
+    # that no running request uses kept for reuse, least recently used first out (they also
+    # give way whenever the pool needs pages); 0 = prefix caching off
     prefix_cache_tokens: int = 16384
 
     def __post_init__(self) -> None:
@@ -42,3 +50,8 @@ class EngineConfig:
         ):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1")
+        for name in ("kv_cache_tokens", "prefix_cache_tokens"):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"EngineConfig.{name} must be >= 0")
+        if not 0.0 < float(self.kv_cache_memory_fraction) <= 1.0:
+            raise ValueError("EngineConfig.kv_cache_memory_fraction must be in (0, 1]")

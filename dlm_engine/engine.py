@@ -25,6 +25,7 @@ from .errors import InvalidRequestError
 from .loader import LoadedModel, load_checkpoint
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
+from .paged_kv import cpu_pool_tokens, page_size
 from .prompt_limits import check_prompt_bytes, prompt_byte_cap, prompt_bytes
 from .sampling_params import ResolvedParams, SamplingParams, resolve
 from .scheduler import Scheduler
@@ -59,10 +60,13 @@ class Engine:
             cuda_graphs=config.cuda_graphs,
             max_cuda_graphs=config.max_cuda_graphs,
             fused_kernels=config.fused_kernels,
-            prefix_cache_tokens=config.prefix_cache_tokens,
         )
         self.scheduler = Scheduler(
-            config.max_rows, config.max_queue, config.max_step_tokens, config.phase_wait_steps
+            config.max_rows,
+            config.max_queue,
+            config.max_step_tokens,
+            config.phase_wait_steps,
+            reserve=self.runner.admit,
         )
         self._texts: dict[str, StableText] = {}
         self._logprobs: dict[str, LogprobStream] = {}  # issue 17: requests with `logprobs`
@@ -83,6 +87,16 @@ class Engine:
             if getattr(lm.family, "block_diffusion", False)
             else 0
         )
+        if self.model_block:  # their keys/values live in pages of one pool, made now
+            # a longest row: prompt, canvas, and the last block's and last page's rounding
+            row = config.max_prompt + config.max_canvas + 2 * page_size(self.model_block)
+            self.runner.use_pages(
+                self.model_block,
+                tokens=config.kv_cache_tokens,
+                memory_fraction=config.kv_cache_memory_fraction,
+                cpu_tokens=cpu_pool_tokens(config.max_rows, row),
+                prefix_cache_tokens=config.prefix_cache_tokens,
+            )
 
     # ---- requests -------------------------------------------------------------------------
     def encode_prompt(
@@ -220,6 +234,13 @@ class Engine:
             device=self.loaded.device,
         )
         seq.constraint = self.structured.row_constraint(resolved)
+        if not self.runner.fits_pool(seq):
+            pool = self.runner.block_pages.pool
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt + max_tokens need {self.runner.block_pages.worst_case(seq)} KV pages "
+                f"of {pool.page_tokens} tokens; this server's pool holds {pool.pages}",
+            )
         self.scheduler.add(seq)
         self._texts[request_id] = StableText(self.tokenizer, self.stop_ids, resolved.stop)
         if resolved.tools is not None:

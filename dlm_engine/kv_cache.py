@@ -9,6 +9,9 @@ their whole sequence too, so they read only their own fresh keys (dlm_engine/rag
 
 The pool has one spare row and one spare position: padded rows and padded span positions
 write there, so they can never touch a live row.
+
+Block-diffusion rows (SDAR, LLaDA2) do not use it: their exact cache lives in pages shared
+by reference count (dlm_engine/paged_kv.py).
 """
 
 from __future__ import annotations

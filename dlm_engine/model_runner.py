@@ -16,6 +16,7 @@ import logging
 import torch
 from torch import nn
 
+from .block_pages import BlockPages
 from .cuda_graphs import GraphCache, round_up
 from .decoding import RowDecode, RowIndex, propose, select_transfers
 from .decoding.commit_rules import CommitPlan, row_rule
@@ -23,6 +24,7 @@ from .decoding.constraints import ConstrainedStep, ConstraintRuntime
 from .decoding.proposals import safe_probabilities
 from .kv_cache import KVPool
 from .models.common import FusedKernels
+from .paged_kv import PagePool, page_size, pool_pages
 from .prefix_cache import PrefixCache
 from .ragged import RowQuery, packed_forward_fn, plan_packed
 from .row_guard import RowGuard
@@ -47,7 +49,6 @@ class ModelRunner:
         cuda_graphs: bool = True,
         max_cuda_graphs: int = 96,
         fused_kernels: bool = True,
-        prefix_cache_tokens: int = 0,
     ) -> None:
         self.model = model
         self.family = family
@@ -74,8 +75,8 @@ class ModelRunner:
         # attention, and positions sent through the output head
         self.work = {"tokens": 0, "attn_pairs": 0, "logit_positions": 0}
         self.constraint_runtime: ConstraintRuntime | None = None  # set on first constrained row
-        # issue 16: whole prompt blocks of block-diffusion rows, reused across requests
-        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        # issue 16: block-diffusion rows' page tables over a page pool (`use_pages`)
+        self.block_pages: BlockPages | None = None
 
     # ---- the forward ------------------------------------------------------------------------
     def _run(self, key: tuple, fn, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -96,9 +97,11 @@ class ModelRunner:
         for s in seqs:
             if s.layout is not None:  # block diffusion: from the first non-final key on
                 end = s.block_end
-                slot = self.slots[s.request_id]
                 toks = s.tokens[s.kv_upto : end]
-                rows.append(RowQuery(toks, s.kv_upto, end, s.window_start, slot, s.layout.block))
+                table = self.block_pages.rows[s.request_id].table
+                rows.append(
+                    RowQuery(toks, s.kv_upto, end, s.window_start, None, s.layout.block, table)
+                )
                 continue
             slot = self.slots[s.request_id] if s.params.cache != "none" else None
             if s.params.cache == "none" or s.step_in_block == 0:
@@ -120,14 +123,16 @@ class ModelRunner:
         width = max(s.window_width for s in seqs)
         if any(s.multi is not None for s in seqs):  # multi-block widths vary: bucket them
             width = round_up(width, self.length_multiple)
-        cached = [s for s in seqs if s.params.cache != "none" or s.layout is not None]
-        if cached:
-            self._ensure_slots(cached)
-            fast = [s for s in cached if s.layout is None]  # Fast-dLLM's approximate caches
+        fast = [s for s in seqs if s.params.cache != "none" and s.layout is None]  # Fast-dLLM
+        if fast:
+            self._ensure_slots(fast)
             self.refreshes += any(s.step_in_block == 0 for s in fast)
             self.span_steps += any(s.step_in_block > 0 for s in fast)
-        pool = self.pool if cached else None
-        prefills = self._reuse_prefixes(seqs)
+        pool = self.pool if fast else None
+        blocks = [s for s in seqs if s.layout is not None]
+        for s in blocks:  # pages up to the active block's end, from the row's reservation
+            self.block_pages.grow(s)
+        pages = self.block_pages.pool if blocks else None
         plan = plan_packed(
             self._queries(seqs),
             width=width,
@@ -137,19 +142,18 @@ class ModelRunner:
             pool=pool,
             bucket=self.graphs is not None,
             query_multiple=self.length_multiple,
+            pages=pages,
         )
         self.forward_passes += 1
         self.work["tokens"] += plan.tokens
         self.work["attn_pairs"] += plan.attn_pairs
         self.work["logit_positions"] += plan.rows * width
-        fn = packed_forward_fn(self.model, pool, width, plan.layout)
+        fn = packed_forward_fn(self.model, pool, width, plan.layout, pages)
         key = ("packed", self._pool_id(), width, plan.layout)
         hidden = self._run(key, fn, plan.inputs)[: plan.rows]
-        for s in prefills:  # their prompt blocks' keys are final now: keep them
-            blocks = s.layout.first_block
-            self.prefix_cache.store(
-                s.prompt_ids, s.layout.block, blocks, self.pool, self.slots[s.request_id]
-            )
+        for s in blocks:  # a prefill: its whole prompt pages are final now, index them
+            if not s.forwards:
+                self.block_pages.prefilled(s)
         logits = self.model.head(hidden)
         b = len(seqs)
         current = plan.inputs["ids"][0][plan.current_index[:b]]
@@ -164,24 +168,55 @@ class ModelRunner:
             logits[sel] = uncond + (scale[:, None, None] + 1) * (cond - uncond)
         return logits, current
 
-    def _reuse_prefixes(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Block rows about to run their first forward: copy the longest cached run of their
-        prompt blocks into their slot (their forward starts after it); returns the rows whose
-        prompt blocks this forward computes, to be stored once it has run."""
-        if self.prefix_cache is None:
-            return []
-        fresh = []
-        for s in seqs:
-            if s.layout is None or s.forwards or s.kv_upto or not s.layout.first_block:
-                continue
-            blocks = s.layout.first_block
-            slot = self.slots[s.request_id]
-            s.kv_upto = self.prefix_cache.load(
-                s.prompt_ids, s.layout.block, blocks, self.pool, slot
-            )
-            if s.kv_upto < blocks * s.layout.block:
-                fresh.append(s)
-        return fresh
+    # ---- block rows' pages (issue 16) --------------------------------------------------------
+    def use_pages(
+        self,
+        block: int,
+        *,
+        tokens: int,
+        memory_fraction: float,
+        cpu_tokens: int,
+        prefix_cache_tokens: int,
+    ) -> None:
+        """Make the page pool of block-diffusion rows (sizing: dlm_engine/paged_kv.py) and,
+        with `prefix_cache_tokens` > 0, its prefix cache."""
+        n_layers, kv, head_dim, dtype = self._kv_dims()
+        pt = page_size(block)
+        per_token = 2 * n_layers * kv * head_dim * torch.empty((), dtype=dtype).element_size()
+        n = pool_pages(
+            page_tokens=pt,
+            bytes_per_token=per_token,
+            device=self.device,
+            tokens=tokens,
+            memory_fraction=memory_fraction,
+            cpu_tokens=cpu_tokens,
+        )
+        idle = prefix_cache_tokens // pt
+        pool = PagePool(n_layers, n, pt, kv, head_dim, dtype, self.device, idle_limit=idle)
+        cache = PrefixCache(pool) if prefix_cache_tokens > 0 else None
+        self.block_pages = BlockPages(pool, cache)
+        log.info(
+            "block-diffusion KV pages: %d of %d tokens (%.2f GiB), prefix cache %s",
+            n,
+            pt,
+            pool.nbytes / 2**30,
+            f"up to {idle * pt} idle tokens" if cache else "off",
+        )
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self.block_pages.cache if self.block_pages is not None else None
+
+    def admit(self, seq: Sequence) -> bool:
+        """Scheduler hook: a block row joins only with its pages reserved (else it waits)."""
+        if seq.layout is None or self.block_pages is None:
+            return True
+        return self.block_pages.admit(seq)
+
+    def fits_pool(self, seq: Sequence) -> bool:
+        """A block row's worst case fits the whole pool (else it could never run)."""
+        bp = self.block_pages
+        return seq.layout is None or bp is None or bp.worst_case(seq) <= bp.pool.pages
 
     # ---- KV pool ----------------------------------------------------------------------------
     def _pool_id(self) -> int:
@@ -192,16 +227,7 @@ class ModelRunner:
         if self.pool is None or need > self.pool.length:
             length = round_up(need, 64)
             if self.pool is None:
-                m = self.model
-                a = m.arch
-                n_layers = getattr(a, "n_layers", None) or a.num_hidden_layers
-                heads = getattr(a, "n_heads", None) or a.num_attention_heads
-                kv = getattr(a, "n_kv_heads", None) or a.num_key_value_heads
-                hidden = getattr(a, "d_model", None) or a.hidden_size
-                dtype = next(p.dtype for p in m.parameters() if p.is_floating_point())
-                if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-                    dtype = torch.bfloat16
-                head_dim = int(getattr(m, "head_dim", 0) or hidden // heads)  # Qwen3: explicit
+                n_layers, kv, head_dim, dtype = self._kv_dims()
                 self.pool = KVPool(
                     n_layers, self.max_rows, kv, head_dim, length, dtype, self.device
                 )
@@ -213,11 +239,27 @@ class ModelRunner:
             if s.request_id not in self.slots:
                 self.slots[s.request_id] = self.pool.allocate()
 
+    def _kv_dims(self) -> tuple[int, int, int, torch.dtype]:
+        """(layers, kv heads, head dim, dtype) of the model's keys and values."""
+        m = self.model
+        a = m.arch
+        n_layers = getattr(a, "n_layers", None) or a.num_hidden_layers
+        heads = getattr(a, "n_heads", None) or a.num_attention_heads
+        kv = getattr(a, "n_kv_heads", None) or a.num_key_value_heads
+        hidden = getattr(a, "d_model", None) or a.hidden_size
+        dtype = next(p.dtype for p in m.parameters() if p.is_floating_point())
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            dtype = torch.bfloat16
+        head_dim = int(getattr(m, "head_dim", 0) or hidden // heads)  # Qwen3: explicit
+        return n_layers, kv, head_dim, dtype
+
     def release(self, request_id: str) -> None:
-        """Give a finished or aborted request's cache row back."""
+        """Give a finished, aborted or failed request's cache row or pages back."""
         slot = self.slots.pop(request_id, None)
         if slot is not None and self.pool is not None:
             self.pool.release(slot)
+        if self.block_pages is not None:
+            self.block_pages.release(request_id)
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()

@@ -2,53 +2,58 @@
 
 With block-causal attention the keys and values of a whole prompt block depend only on the
 tokens up to that block's end, so two requests whose prompts share their first j blocks (the
-same system prompt, a multi-turn history) have bit-for-bit the same keys and values there
-whenever they are computed the same way. After a row's first forward (its prefill) the keys
-and values of its whole prompt blocks are copied from its pool slot into this cache; a new
-request looks up the longest cached run of its prompt's blocks, has those keys and values
-copied into its slot, and its first forward starts after them.
+same system prompt, a multi-turn history) have the same keys and values there. Block rows
+keep their keys in pages of one pool (dlm_engine/paged_kv.py); after a row's first forward
+(its prefill) the pages holding its whole prompt blocks are indexed here by a chain hash, and
+a new request whose prompt starts with the same pages gets those page ids in its page table,
+reference count + 1, no copy: its first forward starts after them. The memory is shared, not
+only the prefill's compute.
 
-Entries are keyed by a chain hash over blocks (the hash of block i covers blocks 0..i and the
-block length), as vLLM's prefix caching keys its pages, so a prompt that shares only some
-leading blocks of a cached one reuses those. Memory is bounded by a token budget, least
-recently used first out. The reuse is by copy into the row's own slot (the pool keeps one
-slot a row, read as a contiguous view by the attention), not by sharing pages in place: it
-saves the prefill's compute, not the slot's memory.
+Keys: a SHA-256 chain over pages (page i's hash covers pages 0..i, the page size and the
+block length), as vLLM keys its blocks, so a prompt sharing only some leading pages of a
+cached one reuses exactly those; SHA-256 so that no two prompts can be made to collide.
+
+Rules that keep it exact:
+* only pages made entirely of whole prompt blocks are indexed or matched, and a match is cut
+  to a multiple of lcm(page, block) tokens (a page cut through a block would hold keys that
+  depend on the block's unshared tail);
+* shared pages are read-only: a row writes only from its first non-final position on, which
+  is at or after its prompt's whole blocks, hence never into an indexed page, and the first
+  page after a match is always the row's own.
+
+Pages no row references stay cached, idle, least recently used first out: evicted when the
+pool needs a page, and at most `EngineConfig.prefix_cache_tokens` tokens of them are kept
+(0 turns prefix caching off).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
+import hashlib
 
-import torch
+import numpy as np
 
-
-@dataclass
-class _Entry:
-    k: list[torch.Tensor]  # per layer [tokens, kv_heads, head_dim]
-    v: list[torch.Tensor]
-    tokens: int
-    ids: list[int]  # the prompt tokens it covers: a hash match is checked against them
+from .paged_kv import PagePool
 
 
-def block_hashes(ids: list[int], block: int, blocks: int) -> list[int]:
-    """Chain hashes of the first `blocks` whole blocks of `ids` (index i covers 0..i)."""
-    out, h = [], hash(("block", block))
-    for i in range(blocks):
-        h = hash((h, tuple(ids[i * block : (i + 1) * block])))
+def page_hashes(ids: list[int], page_tokens: int, block: int, pages: int) -> list[bytes]:
+    """Chain hashes of the first `pages` whole pages of `ids` (index i covers 0..i)."""
+    h = hashlib.sha256(f"dlm-kv page={page_tokens} block={block}".encode()).digest()
+    arr = np.asarray(ids[: pages * page_tokens], dtype=np.int64)
+    out = []
+    for i in range(pages):
+        h = hashlib.sha256(h + arr[i * page_tokens : (i + 1) * page_tokens].tobytes()).digest()
         out.append(h)
     return out
 
 
 class PrefixCache:
-    """Keys/values of whole prompt blocks, by chain hash, within a token budget (LRU)."""
+    """Chain hash -> page of the pool, plus hit counters for metrics."""
 
-    def __init__(self, budget_tokens: int) -> None:
-        self.budget = budget_tokens
-        self.entries: OrderedDict[int, _Entry] = OrderedDict()  # by the last block's hash
-        self.where: dict[int, tuple[int, int]] = {}  # block hash -> (entry key, tokens)
-        self.tokens = 0
+    def __init__(self, pool: PagePool) -> None:
+        self.pool = pool
+        self.page_of: dict[bytes, int] = {}
+        self.hash_of: dict[int, bytes] = {}
+        pool.on_evict = self._forget
         # counters for metrics: prompt tokens looked up, and of those reused from the cache
         self.lookup_tokens = 0
         self.hit_tokens = 0
@@ -57,54 +62,44 @@ class PrefixCache:
     def hit_rate(self) -> float:
         return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
 
-    def load(self, ids: list[int], block: int, blocks: int, pool, slot: int) -> int:
-        """Copy the longest cached run of `ids`' first `blocks` blocks into pool `slot`;
-        returns the number of tokens now in the slot (0 when nothing matched)."""
-        self.lookup_tokens += blocks * block
-        best = None
-        for h in reversed(block_hashes(ids, block, blocks)):
-            if h in self.where:
-                best = self.where[h]
+    @property
+    def tokens(self) -> int:
+        """Tokens of the pages indexed now (in use or idle)."""
+        return len(self.hash_of) * self.pool.page_tokens
+
+    def match(self, hashes: list[bytes], unit: int) -> list[int]:
+        """Pages of the longest cached run of `hashes` from the first, cut to a multiple of
+        `unit` pages."""
+        pages = []
+        for h in hashes:
+            page = self.page_of.get(h)
+            if page is None:
                 break
-        if best is None:
-            return 0
-        key, n = best
-        entry = self.entries[key]
-        if entry.ids[:n] != ids[:n]:  # a hash collision: never reuse another prompt's keys
-            return 0
-        self.entries.move_to_end(key)
-        for layer, (k, v) in enumerate(zip(entry.k, entry.v, strict=True)):
-            pool.k[layer][slot, :n] = k[:n]
-            pool.v[layer][slot, :n] = v[:n]
-        self.hit_tokens += n
-        return n
+            pages.append(page)
+        return pages[: len(pages) // unit * unit]
 
-    def store(self, ids: list[int], block: int, blocks: int, pool, slot: int) -> None:
-        """Keep the keys/values of `ids`' first `blocks` whole blocks from pool `slot`."""
-        n = blocks * block
-        if blocks == 0 or n > self.budget:
-            return
-        hashes = block_hashes(ids, block, blocks)
-        key = hashes[-1]
-        if key in self.entries:
-            self.entries.move_to_end(key)
-            return
-        while self.tokens + n > self.budget and self.entries:
-            self._evict()
-        k = [layer[slot, :n].clone() for layer in pool.k]
-        v = [layer[slot, :n].clone() for layer in pool.v]
-        self.entries[key] = _Entry(k, v, n, list(ids[:n]))
-        self.tokens += n
-        for i, h in enumerate(hashes):  # the newest entry serves its shorter prefixes too
-            self.where[h] = (key, (i + 1) * block)
+    def record(self, lookup_tokens: int, hit_tokens: int) -> None:
+        self.lookup_tokens += lookup_tokens
+        self.hit_tokens += hit_tokens
 
-    def _evict(self) -> None:
-        key, entry = self.entries.popitem(last=False)
-        self.tokens -= entry.tokens
-        for h in [h for h, (k, _) in self.where.items() if k == key]:
-            del self.where[h]
+    def register(self, hashes: list[bytes], pages: list[int]) -> None:
+        """Index `pages` (final, whole prompt blocks) under `hashes`. A hash already indexed
+        keeps its page (a twin prompt prefilled in the same step keeps its own copy)."""
+        for h, page in zip(hashes, pages, strict=True):
+            if h in self.page_of or page in self.hash_of:
+                continue
+            self.page_of[h] = page
+            self.hash_of[page] = h
+            self.pool.cached.add(page)
+
+    def _forget(self, page: int) -> None:
+        h = self.hash_of.pop(page, None)
+        if h is not None:
+            del self.page_of[h]
 
     def clear(self) -> None:
-        self.entries.clear()
-        self.where.clear()
-        self.tokens = 0
+        """Forget every page (idle ones go back to the free list)."""
+        for page in list(self.hash_of):
+            self.pool.uncache(page)
+        self.page_of.clear()
+        self.hash_of.clear()

@@ -18,11 +18,14 @@ no weights, works per row:
   their absolute positions (padding goes to the pool's spare position) and attend over the
   slot up to their length: the span is overwritten every step of the block, the rest is the
   cache (Fast-dLLM's approximation, unchanged);
+* block-diffusion rows (issue 16) keep their keys in pages (dlm_engine/paged_kv.py): their
+  fresh keys are written through their page tables, then their pages are gathered into a
+  per-row key layout and each query attends block-causally (keys before its block's end);
 * the per-row outputs are gathered back into packed order.
 
-Index tensors are made on the host and copied before the forward is queued; the forward
-itself is a pure function of its inputs, so on CUDA it replays a graph captured per bucketed
-shape (packed length, rows, query width).
+Index tensors (page tables included) are made on the host and copied before the forward is
+queued; the forward itself is a pure function of its inputs, so on CUDA it replays a graph
+captured per bucketed shape (packed length, rows, query width, pages per row).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch.nn.functional as F
 
 from .kv_cache import KVPool
 from .models.common import attention
+from .paged_kv import PagePool
 
 
 @dataclass(frozen=True)
@@ -43,14 +47,16 @@ class RowQuery:
     `pos0`; its keys cover positions [0, length); its logit window starts at `window_start`.
     A row whose query is its whole sequence attends over its own fresh keys; a span row reads
     the rest of its keys from its pool `slot`. `slot` is where fresh keys are stored (a cached
-    row's own slot, or None: not stored)."""
+    row's own slot, or None: not stored). A block-diffusion row (`block` > 0) has no slot: its
+    keys are in the pages of `pages` (page i: positions [i * page, (i + 1) * page))."""
 
     tokens: torch.Tensor  # device, 1-D: the query tokens
     pos0: int
     length: int
     window_start: int
     slot: int | None = None
-    block: int = 0  # block-diffusion rows (issue 16): block-causal attention over the slot
+    block: int = 0  # block-diffusion rows (issue 16): block-causal attention over its pages
+    pages: list[int] | None = None  # block rows: their page table, covering [0, length)
 
     @property
     def span(self) -> bool:
@@ -63,7 +69,7 @@ class RowQuery:
         return "span" if self.span else "fresh"
 
 
-# attention groups: over own fresh keys, over the pool, block-causal over the pool (issue 16)
+# attention groups: over own fresh keys, over the pool, block-causal over pages (issue 16)
 GROUPS = ("fresh", "span", "block")
 
 
@@ -90,12 +96,20 @@ def block_query_bucket(n: int) -> int:
 class PackedAttention:
     """The attention context of a packed forward (see the module docstring). Per group of the
     layout: its padded query index (none when the packed order is already the padded one), an
-    optional key mask, and optionally pool slots and write positions."""
+    optional key mask, and optionally pool slots and write positions; the block group reads
+    and writes the page pool `pages` through its page tables."""
 
-    def __init__(self, x: dict[str, torch.Tensor], pool: KVPool | None, layout: Layout) -> None:
+    def __init__(
+        self,
+        x: dict[str, torch.Tensor],
+        pool: KVPool | None,
+        layout: Layout,
+        pages: PagePool | None = None,
+    ) -> None:
         self.x = x
         self.pool = pool
         self.layout = layout
+        self.pages = pages
 
     def attend(self, layer: int, q, k, v, key_mask=None) -> torch.Tensor:
         """q [1, H, N, D], k/v [1, KV, N, D] packed -> attention output [1, H, N, D]."""
@@ -129,23 +143,26 @@ class PackedAttention:
         return flat[None].transpose(1, 2)
 
     def _block(self, layer: int, qt, kt, vt, rows: int, tq: int, keys: int) -> torch.Tensor:
-        """Block-causal rows over the pool: batch row r is pool slot r (so keys are a view of
-        the pool, never a gathered copy); fresh keys are written at their absolute positions
-        first, then each query attends to the keys before its own block's end."""
-        idx = self.x["block_q_index"]  # [rows, Tq] packed index of slot r's query j
+        """Block-causal rows over the page pool: fresh keys are written through the page
+        table (page id, offset), then each row's pages are gathered into [rows, keys] (one
+        indexed read a layer) and each query attends to the keys before its own block's end."""
+        pages = self.pages
+        idx = self.x["block_q_index"]  # [rows, Tq] packed index of row r's query j
         qp, kp, vp = qt[idx], kt[idx], vt[idx]  # [rows, Tq, heads, D]
-        where = (self.x["block_slots"][:, None], self.x["block_write_pos"])
-        self.pool.k[layer][where] = kp
-        self.pool.v[layer][where] = vp
-        k = self.pool.k[layer][:rows, :keys].transpose(1, 2)  # [rows, KV, S, D] (a view)
-        v = self.pool.v[layer][:rows, :keys].transpose(1, 2)
+        where = (self.x["block_write_page"], self.x["block_write_off"])
+        pages.k[layer][where] = kp
+        pages.v[layer][where] = vp
+        table = self.x["block_pages"]  # [rows, P] page ids (the trash page past a row's end)
+        kv, dim = kp.shape[2], kp.shape[3]
+        span = table.shape[1] * pages.page_tokens
+        k = pages.k[layer][table].view(rows, span, kv, dim)[:, :keys].transpose(1, 2)
+        v = pages.v[layer][table].view(rows, span, kv, dim)[:, :keys].transpose(1, 2)
         limit = self.x["block_limit"]  # [rows, Tq]: keys before this position are visible
         mask = torch.arange(keys, device=limit.device)[None, None, :] < limit[:, :, None]
         # GQA folded into the query axis: the heads sharing a KV head become more queries of
         # one attention over that KV head (SDPA's enable_gqa with a mask fell back to the
         # math kernel: 5.8 ms a layer at 128 rows on an H100)
-        heads, dim = qp.shape[2], qp.shape[3]
-        kv = k.shape[1]
+        heads = qp.shape[2]
         rep = heads // kv
         q = qp.view(rows, tq, kv, rep, dim).permute(0, 2, 3, 1, 4).reshape(rows, kv, rep * tq, dim)
         mask = mask.repeat(1, rep, 1)[:, None]  # [rows, 1, rep * Tq, S]
@@ -176,6 +193,7 @@ def plan_packed(
     pool: KVPool | None,
     bucket: bool,
     query_multiple: int,
+    pages: PagePool | None = None,
 ) -> PackedPlan:
     """Build the inputs of one packed forward over `queries` (see `packed_forward_fn`).
 
@@ -203,7 +221,7 @@ def plan_packed(
         if g == "block":
             base, attn_pairs = _plan_block(
                 queries, members, inputs, layout, flat_of_row, base, attn_pairs,
-                qlens=qlens, offsets=offsets, pool=pool, bucket=bucket,
+                qlens=qlens, offsets=offsets, pages=pages, bucket=bucket,
             )  # fmt: skip
             continue
         sel = torch.tensor(members)
@@ -287,23 +305,29 @@ def _plan_block(
     *,
     qlens: torch.Tensor,
     offsets: torch.Tensor,
-    pool: KVPool,
+    pages: PagePool,
     bucket: bool,
 ) -> tuple[int, int]:
-    """Index tensors of the block group: one batch row per pool slot up to the highest slot
-    in use (idle slots attend to one key and write to the spare position)."""
+    """Index tensors of the block group: its rows' page tables [rows, P], where each fresh
+    key goes (page id, offset) and each query's key limit. Padded rows and positions write
+    to the trash page and read one key. With `bucket` every shape is a bucket (rows, query
+    width, pages), so the forward stays capturable as a CUDA graph."""
     from .cuda_graphs import bucket_rows, round_up
 
-    slots = [queries[i].slot for i in members]
-    rows = max(slots) + 1
-    if bucket:
-        rows = min(bucket_rows(rows), pool.rows)
+    n_rows = len(members)
+    rows = bucket_rows(n_rows) if bucket else n_rows
     gl = [int(qlens[i]) for i in members]
     tq = block_query_bucket(max(gl)) if bucket else max(gl)
     keys = max(queries[i].length for i in members)
-    keys = min(round_up(keys, 64), pool.length + 1) if bucket else keys
+    pt = pages.page_tokens
+    if bucket:
+        keys = -(-round_up(keys, 64) // pt) * pt
+    n_pages = -(-keys // pt)
     # numpy, vectorised over rows: a Python loop of small torch ops cost ~30 us a row
-    sl = np.array(slots)
+    table = np.full((rows, n_pages), pages.trash, dtype=np.int64)
+    for r, i in enumerate(members):  # host lists into one array (no per-layer work)
+        row_pages = queries[i].pages[:n_pages]
+        table[r, : len(row_pages)] = row_pages
     n = np.array(gl)
     pos = np.array([queries[i].pos0 for i in members])[:, None] + np.arange(tq)[None, :]
     blk = np.array([queries[i].block for i in members])[:, None]
@@ -311,30 +335,42 @@ def _plan_block(
     valid = np.arange(tq)[None, :] < n[:, None]
     off = offsets.numpy()[members][:, None]
     q_index = np.zeros((rows, tq), dtype=np.int64)
-    q_index[sl] = off + np.minimum(np.arange(tq)[None, :], n[:, None] - 1)
-    write = np.full((rows, tq), pool.trash_pos, dtype=np.int64)
-    write[sl] = np.where(valid, pos, pool.trash_pos)
-    limit = np.ones((rows, tq), dtype=np.int64)  # idle: key 0 only (no empty softmax)
-    limit[sl] = np.where(valid, np.minimum((pos // blk + 1) * blk, end), 1)
-    flat_of_row[members] = torch.from_numpy(base + sl * tq)
+    q_index[:n_rows] = off + np.minimum(np.arange(tq)[None, :], n[:, None] - 1)
+    page_of = np.take_along_axis(table[:n_rows], np.minimum(pos // pt, n_pages - 1), axis=1)
+    write_page = np.full((rows, tq), pages.trash, dtype=np.int64)
+    write_page[:n_rows] = np.where(valid, page_of, pages.trash)
+    write_off = np.zeros((rows, tq), dtype=np.int64)
+    write_off[:n_rows] = np.where(valid, pos % pt, 0)
+    limit = np.ones((rows, tq), dtype=np.int64)  # padding: key 0 only (no empty softmax)
+    limit[:n_rows] = np.where(valid, np.minimum((pos // blk + 1) * blk, end), 1)
+    flat_of_row[members] = base + torch.arange(n_rows) * tq
     attn_pairs += int((n * end[:, 0]).sum())
-    q_index, write, limit = (torch.from_numpy(a) for a in (q_index, write, limit))
-    inputs["block_q_index"] = q_index
-    inputs["block_write_pos"] = write
-    inputs["block_slots"] = torch.arange(rows)
-    inputs["block_limit"] = limit
+    for name, a in (
+        ("block_q_index", q_index),
+        ("block_write_page", write_page),
+        ("block_write_off", write_off),
+        ("block_pages", table),
+        ("block_limit", limit),
+    ):
+        inputs[name] = torch.from_numpy(a)
     layout.append(("block", rows, tq, False, keys))
     return base + rows * tq, attn_pairs
 
 
-def packed_forward_fn(model: torch.nn.Module, pool: KVPool | None, width: int, layout: Layout):
+def packed_forward_fn(
+    model: torch.nn.Module,
+    pool: KVPool | None,
+    width: int,
+    layout: Layout,
+    pages: PagePool | None = None,
+):
     """The forward of a packed plan up to the output head: the hidden states of every row's
     window [rows, width, hidden] (graph-capturable). The head runs outside a captured graph,
     so a graph keeps hidden states, not vocabulary-wide logits, as its static output."""
     from .models.common import ForwardBatch, gather_positions
 
     def fn(x: dict[str, torch.Tensor]) -> torch.Tensor:
-        ctx = PackedAttention(x, pool, layout)
+        ctx = PackedAttention(x, pool, layout, pages)
         batch = ForwardBatch(x["ids"], x["positions"], None, x["logits_index"], ctx)
         hidden = gather_positions(model.hidden_states(batch), x["logits_index"])
         return hidden.reshape(-1, width, hidden.shape[-1])

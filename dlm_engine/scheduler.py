@@ -11,11 +11,16 @@ different times would sit at different block phases, so almost every step would 
 forwards. A waiting cached row therefore joins when the running cached rows are about to
 refresh (or none run), waiting at most ``phase_wait_steps`` steps; exact rows and rows behind
 it are not held up. Which step a row joins never changes its tokens.
+
+A block-diffusion row also needs its KV pages reserved (dlm_engine/paged_kv.py): when the
+pool cannot hold its worst case now, it waits at the head of the queue until running rows
+end, and the requests behind it wait too, so a long request is never starved by short ones.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from .errors import EngineOverloadedError
 from .sequence import Sequence
@@ -25,9 +30,17 @@ class Scheduler:
     """Waiting queue plus the running set; requests join and leave between steps."""
 
     def __init__(
-        self, max_rows: int, max_queue: int, max_step_tokens: int, phase_wait_steps: int = 0
+        self,
+        max_rows: int,
+        max_queue: int,
+        max_step_tokens: int,
+        phase_wait_steps: int = 0,
+        reserve: Callable[[Sequence], bool] | None = None,
     ) -> None:
         self.max_rows = max_rows
+        # claims what a request needs besides rows and tokens (a block row's KV pages);
+        # False: not now, the request waits
+        self.reserve = reserve
         self.max_queue = max_queue
         self.max_step_tokens = max_step_tokens
         self.phase_wait_steps = phase_wait_steps
@@ -55,6 +68,8 @@ class Scheduler:
                 break
             if not in_phase and self._hold(seq):
                 continue
+            if self.reserve is not None and not self.reserve(seq):
+                break  # its KV pages are not free yet: it waits, and so do those behind it
             self.waiting.remove(seq)
             self._held.pop(seq.request_id, None)
             self.running.append(seq)

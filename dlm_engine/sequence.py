@@ -46,7 +46,9 @@ class Sequence:
             if params.block_diffusion
             else None
         )
-        self.kv_upto = 0  # block rows: first position whose cached keys are not final
+        # block rows: first position whose cached keys are not final (at admission: the end
+        # of the prompt pages shared from the prefix cache, dlm_engine/block_pages.py)
+        self.kv_upto = 0
         # LLaDA2.1 token editing (joint_threshold): a block stays editable until it ends, so
         # only the canvas before `final_upto` (canvas-relative) is final
         self.editing = bool(self.layout) and params.algorithm == "joint_threshold"

@@ -100,8 +100,17 @@ def _check(engine: Engine, cases: list[dict], reference) -> None:
     assert alone == expected
     assert [o.token_ids for o in batched] == expected
     assert engine.runner.forward_passes - forwards0 == engine.total_forwards - steps0
-    assert not engine.runner.slots, "every finished request gave its cache slot back"
+    _assert_pages_back(engine)
     assert any(len(e) > 4 for e in expected), "the cases must decode past a block"
+
+
+def _assert_pages_back(engine: Engine) -> None:
+    """No row holds a page or a reservation: every page is free or idle (cached)."""
+    bp = engine.runner.block_pages
+    assert not bp.rows, "every finished request gave its pages back"
+    pool = bp.pool
+    assert pool.reserved == 0 and not any(pool.refs)
+    assert pool.available == pool.pages == len(pool.free) + len(pool.idle)
 
 
 def test_sdar_engine_equals_reference_alone_and_batched(sdar: Engine) -> None:
@@ -126,15 +135,15 @@ def test_a_step_feeds_only_the_active_block_after_the_first(sdar: Engine) -> Non
     assert fed < out.steps * (len(prompt) // 2), "the cache must make later steps short"
 
 
-def test_abort_frees_the_cache_slot(sdar: Engine) -> None:
+def test_abort_frees_the_pages(sdar: Engine) -> None:
     prompt = sdar.encode_prompt(text="abc")
     rid = sdar.add_request(None, prompt, {"max_tokens": 64, "block_length": 4})
     sdar.step()
-    assert rid in sdar.runner.slots
+    assert sdar.runner.block_pages.rows[rid].table
     sdar.abort(rid)
     outs = sdar.step()
     assert any(o.request_id == rid and o.finish_reason == "abort" for o in outs)
-    assert rid not in sdar.runner.slots
+    _assert_pages_back(sdar)
 
 
 @pytest.mark.parametrize(
@@ -188,16 +197,211 @@ def test_prefix_cache_reuses_prompt_blocks_without_changing_tokens(tmp_path: Pat
     system = "You are a careful assistant. Answer in one short line. " * 2
     prompts = [cached.encode_prompt(text=system + q) for q in ("2+2?", "Hi!", "Name a color.")]
     params = {"max_tokens": 12, "block_length": 4, "steps": 2}
-    first = cached.generate(prompts[:1], params)  # stores its prompt blocks
-    rest = cached.generate(prompts[1:], params)  # reuse the shared ones
+    first = cached.generate(prompts[:1], params)  # indexes its prompt pages
+    rest = cached.generate(prompts[1:], params)  # share the common ones
     expected = plain.generate(prompts, params)
     assert [o.token_ids for o in first + rest] == [o.token_ids for o in expected]
     pc = cached.runner.prefix_cache
-    shared = len(system) // 4 * 4  # whole blocks of the shared system prompt (1 char = 1 token)
+    page = cached.runner.block_pages.pool.page_tokens
+    shared = len(system) // page * page  # its whole pages of the system prompt (1 char = 1 token)
     assert pc.hit_tokens >= 2 * shared
     assert 0 < pc.hit_rate < 1
     fed_cached = cached.runner.work["tokens"]
     assert fed_cached < plain.runner.work["tokens"] - 2 * shared + 16
+
+
+def _engine(like: Engine, **config) -> Engine:
+    """A fresh engine (own pool and prefix cache) over `like`'s loaded model."""
+    return Engine(EngineConfig(model=like.config.model, device="cpu", **config), like.loaded)
+
+
+def _finish(engine: Engine) -> dict[str, list[int]]:
+    """Step until every request has finished; their final token ids by request id."""
+    return {o.request_id: o.token_ids for o in engine.outputs() if o.finished}
+
+
+def test_same_prompt_shares_the_physical_pages(sdar: Engine) -> None:
+    """(a) A second request with the same long prompt maps the first's page ids (reference
+    count 2, no copy) for its whole prompt pages and starts after them; tokens unchanged."""
+    engine = _engine(sdar)
+    bp = engine.runner.block_pages
+    page = bp.pool.page_tokens
+    prompt = engine.encode_prompt(text="The quick brown fox jumps over the lazy dog. " * 2)
+    case = {"max_tokens": 12, "block_length": 4, "steps": 2}
+    expected = _sdar_reference(engine, prompt, case)
+    first = engine.add_request(None, prompt, case)
+    engine.step()  # its prefill: its whole prompt pages are indexed
+    second = engine.add_request(None, prompt, case)
+    engine.step()  # admitted: shares them
+    whole = len(prompt) // 4 * 4 // page  # pages made of whole prompt blocks
+    assert whole >= 4
+    a, b = bp.rows[first].table, bp.rows[second].table
+    assert a[:whole] == b[:whole]
+    assert all(bp.pool.refs[p] == 2 for p in a[:whole])
+    assert not set(a[whole:]) & set(b[whole:]), "pages past the shared prefix are the row's own"
+    assert engine.runner.prefix_cache.hit_tokens == whole * page
+    assert _finish(engine) == {first: expected, second: expected}
+    _assert_pages_back(engine)
+    assert set(a[:whole]) <= set(bp.pool.idle), "the prompt pages stay cached, idle"
+
+
+@pytest.mark.parametrize("prefix_cache_tokens", [0, 16384])
+def test_pages_go_back_when_requests_finish_or_are_cancelled(
+    sdar: Engine, prefix_cache_tokens: int
+) -> None:
+    """(b) Finished and cancelled requests return every page: the pool is as it started (with
+    the prefix cache off, every page is on the free list again)."""
+    engine = _engine(sdar, prefix_cache_tokens=prefix_cache_tokens)
+    pool = engine.runner.block_pages.pool
+    start = pool.available
+    assert start == pool.pages == len(pool.free)
+    prompts = [engine.encode_prompt(text=t) for t in ("Say something long please. " * 2, "abc")]
+    case = {"max_tokens": 40, "block_length": 4, "steps": 4}
+    engine.add_request(None, prompts[0], case)
+    cancelled = engine.add_request(None, prompts[1], case)
+    for _ in range(3):
+        engine.step()
+    held = sum(1 for r in pool.refs if r)
+    assert held >= 2 and pool.reserved > 0 and pool.available < start
+    engine.abort(cancelled)
+    engine.step()
+    assert cancelled not in engine.runner.block_pages.rows
+    assert sum(1 for r in pool.refs if r) < held
+    _finish(engine)
+    _assert_pages_back(engine)
+    assert pool.available == start
+    if not prefix_cache_tokens:
+        assert len(pool.free) == start
+
+
+def test_requests_wait_for_pages_and_finish_exact(sdar: Engine) -> None:
+    """(c) More requests than the pool holds: the extra ones wait in the queue (never fail
+    the others) and every one ends with the reference's tokens."""
+    engine = _engine(sdar, kv_cache_tokens=80)  # 5 pages of 16; each request needs 2
+    pool = engine.runner.block_pages.pool
+    assert pool.pages == 5
+    case = {"max_tokens": 16, "block_length": 4, "steps": 2}
+    prompts = [engine.encode_prompt(text=t) for t in ("abc", "Hi", "x", "What?", "ok")]
+    expected = [_sdar_reference(engine, p, case) for p in prompts]
+    rids = [engine.add_request(None, p, case) for p in prompts]
+    engine.step()
+    assert engine.num_running == 2 and engine.num_waiting == 3
+    finals = {}
+    most = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        most = max(most, engine.num_running)
+    assert most == 2
+    assert [finals[r].finish_reason for r in rids] != ["error"] * 5
+    assert [finals[r].token_ids for r in rids] == expected
+    _assert_pages_back(engine)
+    too_long = engine.encode_prompt(text="y" * 70)
+    with pytest.raises(InvalidRequestError, match="KV pages") as err:
+        engine.add_request(None, too_long, case)
+    assert err.value.field == "max_tokens"
+
+
+def test_cached_pages_give_way_to_running_requests(sdar: Engine) -> None:
+    """Idle cached prompt pages are evicted when requests need the pages: the requests run
+    (exact), and the evicted prompt is no longer found."""
+    engine = _engine(sdar, kv_cache_tokens=96)  # 6 pages of 16
+    pool = engine.runner.block_pages.pool
+    case = {"max_tokens": 16, "block_length": 4, "steps": 2}
+    long = engine.encode_prompt(text="Forty-eight characters of a prompt to be cached.")
+    assert len(long) == 48
+    rid = engine.add_request(None, long, case)
+    assert _finish(engine) == {rid: _sdar_reference(engine, long, case)}
+    assert len(pool.idle) == 3
+    prompts = [engine.encode_prompt(text=t) for t in ("abc", "Hi", "x")]  # 2 pages each
+    rids = [engine.add_request(None, p, case) for p in prompts]
+    engine.step()
+    assert engine.num_running == 3 and pool.available == 0  # the idle pages are promised
+    finals = _finish(engine)
+    assert not pool.idle and len(pool.free) == 6, "taken as the rows grew, then freed"
+    assert [finals[r] for r in rids] == [_sdar_reference(engine, p, case) for p in prompts]
+    hits = engine.runner.prefix_cache.hit_tokens
+    engine.generate([long], case)
+    assert engine.runner.prefix_cache.hit_tokens == hits
+
+
+def test_partial_prefix_shares_exactly_its_whole_pages(sdar: Engine) -> None:
+    """(d) A prompt that shares only its first pages with a cached one reuses exactly those:
+    the page cut by the first differing token (and everything after) is its own."""
+    engine = _engine(sdar)
+    bp = engine.runner.block_pages
+    page = bp.pool.page_tokens
+    common = "A shared system prompt of some length: "  # 2 whole pages, then 8 tokens
+    case = {"max_tokens": 8, "block_length": 4, "steps": 2}
+    a = engine.encode_prompt(text=common + " then question one, asked here.")
+    b = engine.encode_prompt(text=common + " and a different second one here!")
+    assert a[: 2 * page + 8] == b[: 2 * page + 8] and a[2 * page + 8] != b[2 * page + 8]
+    first = engine.add_request(None, a, case)
+    engine.step()
+    table_a = list(bp.rows[first].table)
+    assert _finish(engine) == {first: _sdar_reference(engine, a, case)}
+    hits = engine.runner.prefix_cache.hit_tokens
+    second = engine.add_request(None, b, case)
+    engine.step()
+    table_b = bp.rows[second].table
+    assert table_b[:2] == table_a[:2] and table_b[2] not in table_a
+    assert engine.runner.prefix_cache.hit_tokens - hits == 2 * page
+    seq = next(s for s in engine.scheduler.running if s.request_id == second)
+    assert seq.forwards == 1
+    assert _finish(engine) == {second: _sdar_reference(engine, b, case)}
+    _assert_pages_back(engine)
+
+
+def test_a_match_is_cut_to_whole_blocks_of_the_request(sdar: Engine) -> None:
+    """With a block longer than a page a shared run ends on a block boundary: a prompt that
+    agrees with a cached one for 3 pages of 16 inside blocks of 32 shares only 2."""
+    engine = _engine(sdar)
+    bp = engine.runner.block_pages
+    assert bp.pool.page_tokens == 16
+    case = {"max_tokens": 32, "block_length": 32, "steps": 8}
+    a = engine.encode_prompt(text="0123456789" * 4 + "abcdefghij" * 3)  # 70: 2 blocks of 32
+    b = engine.encode_prompt(text="0123456789" * 4 + "abcdefgh" + "Z" * 22)  # differs at 48
+    assert a[:48] == b[:48] and a[48] != b[48]
+    rid = engine.add_request(None, a, case)
+    assert _finish(engine) == {rid: _sdar_reference(engine, a, case)}
+    hits = engine.runner.prefix_cache.hit_tokens
+    rid = engine.add_request(None, b, case)
+    engine.step()
+    assert engine.runner.prefix_cache.hit_tokens - hits == 32
+    assert _finish(engine) == {rid: _sdar_reference(engine, b, case)}
+
+
+class _EagerGraphs:
+    """Stands in for GraphCache on CPU: the runner pads every input to its CUDA-graph bucket,
+    this runs the forward eagerly and keeps the input shapes it was given."""
+
+    def __init__(self) -> None:
+        self.shapes: list[dict[str, tuple[int, ...]]] = []
+
+    def run(self, key, fn, inputs):
+        self.shapes.append({n: tuple(t.shape) for n, t in inputs.items()})
+        return fn(inputs)
+
+    def clear(self) -> None:
+        pass
+
+
+def test_bucketed_shapes_give_the_same_tokens(sdar: Engine) -> None:
+    """The CUDA-graph path's shapes (rows, query width and pages per row padded to buckets,
+    padded rows and positions on the trash page) on CPU: tokens equal the reference."""
+    engine = _engine(sdar)
+    graphs = _EagerGraphs()
+    engine.runner.graphs, engine.runner.length_multiple = graphs, 32
+    prompts = [engine.encode_prompt(text=t) for t in PROMPTS[:3]]
+    case = {"max_tokens": 13, "block_length": 4, "steps": 4}
+    expected = [_sdar_reference(engine, p, case) for p in prompts]
+    assert [o.token_ids for o in engine.generate(prompts, case)] == expected
+    page = engine.runner.block_pages.pool.page_tokens
+    pages = {s["block_pages"] for s in graphs.shapes}
+    assert 4 in {s["block_q_index"][0] for s in graphs.shapes}  # 3 rows: bucket 4 (1 padded)
+    assert all(p[1] * page % 64 == 0 for p in pages)  # keys: multiples of 64
+    _assert_pages_back(engine)
 
 
 JOINT_CASES = [
