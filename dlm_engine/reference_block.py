@@ -6,6 +6,8 @@ engine equal (token for token at temperature 0).
   (text read in inclusionAI/dFactory `models/llada2_moe/modeling_llada2_moe.py`).
 - `joint_threshold_generate`: LLaDA2.1 token editing as SGLang's `JointThreshold` decoding
   algorithm (sgl-project/sglang `python/sglang/srt/dllm/algorithm/joint_threshold.py`).
+- `multi_bd_generate`: Diffulex's Multi-Block Diffusion (`decoding_strategy: multi_bd`,
+  SJTU-DENG-Lab/Diffulex): several consecutive blocks refined in one forward.
 
 Shared layout (all three): prompt length P; num_blocks = ceil((P + gen_length) / block_length);
 the canvas is the prompt followed by mask ids up to num_blocks * block_length. Blocks before
@@ -49,13 +51,15 @@ class BlockRun:
     `forwards`: denoising forwards. `canvas`: the whole sequence when the loop stopped (prompt
     included; undecoded blocks still masked). `commits[b][s]`: masks committed at step s of
     the b-th decoded block (one entry per forward). `edits[b][s]`: tokens edited likewise
-    (`joint_threshold_generate` only; empty elsewhere)."""
+    (`joint_threshold_generate` only; empty elsewhere). `running[s]`: the absolute indices
+    of the blocks whose masks forward s sampled (`multi_bd_generate` only)."""
 
     tokens: torch.Tensor
     forwards: int
     canvas: torch.Tensor
     commits: list[list[int]] = field(default_factory=list)
     edits: list[list[int]] = field(default_factory=list)
+    running: list[list[int]] = field(default_factory=list)  # multi_bd: blocks per forward
 
 
 def block_causal_mask(length: int, block_length: int, device=None) -> torch.Tensor:
@@ -435,3 +439,163 @@ def joint_threshold_generate(
             if not bool((gen == mask_id).any()) and bool((gen == eos_id).any()):
                 break
     return BlockRun(_answer(x, p_len, gen_length, eos_id), forwards, x.clone(), commits, edits)
+
+
+@torch.no_grad()
+def multi_bd_generate(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    *,
+    mask_id: int,
+    gen_length: int,
+    block_length: int = 32,
+    buffer_size: int = 4,
+    threshold: float = 0.9,
+    add_block_threshold: float = 0.1,
+    semi_complete_threshold: float = 0.9,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_ids: Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> BlockRun:
+    """Diffulex's Multi-Block Diffusion (`decoding_strategy: multi_bd`), batch 1, no cache.
+
+    Read in SJTU-DENG-Lab/Diffulex at 184ba97 (2026-06-27): `diffulex/config.py` (Config:
+    block_size 32, buffer_size 4; DecodingThresholds: add_block_threshold 0.1,
+    semi_complete_threshold 0.9, accept_threshold 0.9), `diffulex/engine/request.py`
+    (DllmReq.init_multi_block / step / postprocess / push_back_dummy_block),
+    `diffulex/engine/dllm_block.py` (DllmBlock.progress, is_semi_complete,
+    should_force_decode_topk, should_add_block; DllmBlockBuffer), `diffulex/engine/scheduler.py`
+    (SchedulerBase.postprocess), `diffulex/strategy/multi_bd/` (config, request, scheduler,
+    model runner, attention metadata), `diffulex/mixin/multi_block/model_runner.py`
+    (_prepare_decode_req: the query is the whole block buffer over the cached prefix; only
+    TO_CACHE blocks get KV slots), `diffulex/mixin/multi_block/attention_metadata.py` with
+    `diffulex_kernel/python/chunked_prefill_triton.py` (is_block_causal and not
+    is_prefix_full: a query sees every cached key and the buffer's fresh keys before its own
+    block's end), `diffulex/sampler/{sdar,llada2}.py`, `diffulex/sampler/base/{core,
+    no_shift}.py`, and docs/user_guide/features/{multi_block_decoding,decoding_strategies}.md.
+
+    Blocks are laid out as the other loops' (absolute, prompt padded with masks to a block).
+    The running set ("block buffer") holds at most `buffer_size` consecutive blocks; it
+    starts with the first decoding block (the one holding the prompt's tail, if any). Each
+    step:
+
+    1. Entry (`DllmReq.step`): at most one block enters. If the running set is empty, the
+       next block does; otherwise the next block enters when the last one's progress
+       (decoded positions / block_length, prompt tokens counting as decoded) is >=
+       `add_block_threshold` and fewer than `buffer_size` blocks occupy the buffer. A
+       completed front block keeps its place for the one step in which its keys are stored
+       (upstream's TO_CACHE status) and leaves after it. No block enters past the one
+       holding position P + gen_length - 1, nor after a stop id was committed anywhere
+       after the prompt.
+    2. Forward of the canvas up to the last running block's end, block-causally: a later
+       running block sees the earlier running blocks' current tokens, masks included (the
+       buffer's fresh keys in upstream's kernel). A step whose running blocks hold no mask
+       only stores keys upstream; it has no forward here and is not counted.
+    3. Proposals (`sample_tokens`) with the mask id's logit at -inf (upstream forbids it, so
+       the confidence is renormalised over the other tokens). For every running block with
+       masks: the masks with confidence > `threshold` are committed; if none passes and the
+       block is forced, its most confident mask is (the first on ties). A block is forced
+       when it is the sequence's first block or its predecessor's progress is >=
+       `semi_complete_threshold`, both read before this step's commits (upstream's sampler
+       decides every block before any token is written). The front block's predecessor is
+       complete, so every forward commits at least one token.
+    4. Completed front blocks are marked for storage; those marked the step before leave.
+       The loop ends once no block may enter (the last block entered, or a stop id was
+       committed) and every running block is complete.
+
+    `threshold` is upstream's `accept_threshold` (LLaDA2 sampler, default 0.9); Diffulex's
+    SDAR sampler ignores it and compares with a fixed 0.95 (the engine's SDAR default).
+    Temperature 0 is greedy (`sample_tokens`); upstream breaks exact ties toward the highest
+    token id, here the lowest. Upstream passes no top-k / top-p to this sampler; here they
+    apply as in `sample_tokens`.
+
+    Upstream behaviour not restated: (a) the prefill forward of the prompt, which samples
+    nothing when the prompt fills whole blocks (with add_block_threshold 0 upstream admits
+    the first block during it, which is why the first step here may already admit the
+    second); (b) `max_new_tokens_reached` is read from the allocated canvas, placeholder
+    (DUMMY) blocks of the buffer included, and SchedulerBase.postprocess then ends the
+    request at once (force_deactivate): a request whose max_tokens is at most
+    buffer_size * block_size ends after its prefill with every position masked, and a longer
+    one is cut with its last running blocks still masked; here the canvas ends with the
+    block holding P + gen_length - 1 and every block up to it is decoded; (c) the
+    auto_max_nfe truncation (max_nfe set after 8 forwards from the tokens per forward so
+    far) and max_repetition_run; (d) logits past the tokenizer's vocabulary set to -inf
+    (engine's vocabulary = the model's); (e) DMax's token_stability_threshold (0 by default,
+    inert with these samplers).
+
+    Returns `tokens` = x[P : end of the last block that entered] (every position decoded;
+    the caller cuts at the first stop id and at gen_length), `forwards` = forwards made,
+    `commits[b][s]` per block that entered (one entry per forward that sampled it) and
+    `running[s]` = the blocks sampled by forward s."""
+    if buffer_size < 1 or gen_length < 1:
+        raise ValueError("buffer_size and gen_length must be >= 1")
+    if not 0.0 <= semi_complete_threshold <= 1.0:
+        raise ValueError("semi_complete_threshold must be in [0, 1]")
+    x, p_len, num_blocks = _canvas(prompt, mask_id, gen_length, block_length)
+    stops = set(stop_ids or ())
+    first = p_len // block_length
+
+    def span(b: int) -> slice:
+        return slice(b * block_length, (b + 1) * block_length)
+
+    def masks(b: int) -> int:
+        return int((x[span(b)] == mask_id).sum())
+
+    def progress(b: int) -> float:
+        return (block_length - masks(b)) / block_length  # DllmBlock.progress
+
+    front, last = first, first  # the running set: blocks [front, last]
+    stored = 0  # front blocks complete and being stored this step (upstream TO_CACHE)
+    ended = False  # no block may enter any more (upstream: a terminal context block)
+    forwards, running = 0, []
+    commits: dict[int, list[int]] = {first: []}
+    while True:
+        # 1. entry
+        if last < num_blocks - 1 and not ended:
+            occupied = last - front + 1
+            if occupied == 0 or (occupied < buffer_size and progress(last) >= add_block_threshold):
+                last += 1
+                commits[last] = []
+        sampled = [b for b in range(front + stored, last + 1) if masks(b) > 0]
+        if sampled:
+            # 2. one forward over the running set, block-causal, current tokens
+            lo, hi = sampled[0] * block_length, (last + 1) * block_length
+            logits = block_logits(model, x, lo, hi, block_length)
+            forwards += 1
+            running.append(sampled)
+            logits[:, mask_id] = -torch.inf
+            x0, conf = sample_tokens(logits, temperature, top_k, top_p, generator)
+            # 3. every block decided on the state before the step, then written
+            writes = []
+            for b in sampled:
+                at = span(b)
+                rel = slice(at.start - lo, at.stop - lo)
+                mask = x[at] == mask_id
+                c = torch.where(mask, conf[rel], -torch.inf)
+                transfer = mask & (c > threshold)
+                forced = b == 0 or progress(b - 1) >= semi_complete_threshold
+                if forced and not transfer.any():
+                    transfer[int(torch.argmax(c))] = True
+                writes.append((at, transfer, x0[rel]))
+                commits[b].append(int(transfer.sum()))
+            for at, transfer, tokens in writes:
+                x[at][transfer] = tokens[transfer]
+        # 4. the front blocks stored this step leave; completed front blocks are stored next
+        front += stored
+        stored = 0
+        while front + stored <= last and masks(front + stored) == 0:
+            stored += 1
+        if stops and any(int(t) in stops for t in x[p_len:].tolist()):
+            ended = True
+        if (ended or last == num_blocks - 1) and all(masks(b) == 0 for b in range(front, last + 1)):
+            break
+    end = (last + 1) * block_length
+    return BlockRun(
+        x[p_len:end].clone(),
+        forwards,
+        x.clone(),
+        [commits[b] for b in sorted(commits)],
+        running=running,
+    )
