@@ -232,6 +232,7 @@ class Engine:
             family=self.family.name,
             mask_id=self.mask_id,
             device=self.loaded.device,
+            stop_ids=self.stop_ids,
         )
         seq.constraint = self.structured.row_constraint(resolved)
         if not self.runner.fits_pool(seq):

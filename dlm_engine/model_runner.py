@@ -121,7 +121,7 @@ class ModelRunner:
         """Logits [rows, width, V] of every row's window and its current window tokens, from
         one forward over the packed query tokens of all rows (dlm_engine/ragged.py)."""
         width = max(s.window_width for s in seqs)
-        if any(s.multi is not None for s in seqs):  # multi-block widths vary: bucket them
+        if any(s.multi is not None or s.mbd is not None for s in seqs):  # widths vary: bucket
             width = round_up(width, self.length_multiple)
         fast = [s for s in seqs if s.params.cache != "none" and s.layout is None]  # Fast-dLLM
         if fast:
@@ -301,6 +301,8 @@ class ModelRunner:
         extra = {} if plan.simple else plan.scores(logits)  # before propose edits logits
         if plan.joint is not None:  # token editing reads the window's decoded tokens
             extra["current"], extra["decoded"] = current, ~masked & valid
+        if plan.mbd is not None:  # Diffulex forbids the mask: confidences renormalised
+            logits[plan.mbd, :, self.mask_id] = -torch.inf
         x0, conf = propose(self.family, logits, rows, index, self.eos_id, self.mask_id, guard)
         if plan.simple:
             chosen = select_transfers(conf, masked, k, plan.threshold)

@@ -15,9 +15,12 @@ from typing import Any
 from dlm_protocol import PARAMS, parse_params
 from dlm_protocol.params import (
     ALGORITHMS,
+    BLOCK_ALGORITHM_KEYS,
     BLOCK_ALGORITHMS,
-    BLOCK_DIFFUSION_ONLY,
     CACHE_MODES,
+    DEFAULT_ADD_BLOCK_THRESHOLD,
+    DEFAULT_BUFFER_SIZE,
+    DEFAULT_SEMI_COMPLETE_THRESHOLD,
     DEFAULT_THRESHOLD,
     MAX_ENTROPY_THRESHOLD,
     MAX_STOP_STRINGS,
@@ -116,6 +119,10 @@ class ResolvedParams:
     block_diffusion: bool = False
     edit_threshold: float = 0.0  # issue 16: LLaDA2.1 token editing (joint_threshold)
     max_post_edit_steps: int = 16
+    # issue 16: Diffulex multi-block diffusion (multi_bd): the running set's size and rules
+    buffer_size: int = DEFAULT_BUFFER_SIZE
+    add_block_threshold: float = DEFAULT_ADD_BLOCK_THRESHOLD
+    semi_complete_threshold: float = DEFAULT_SEMI_COMPLETE_THRESHOLD
 
     @property
     def num_blocks(self) -> int:
@@ -153,9 +160,17 @@ def resolve(
     settings), applied to keys the request left unset. `model_block` > 0 marks a
     block-diffusion model (SDAR, LLaDA2) and is its trained block length."""
     p = apply_model_defaults(p, model_defaults)
-    for key in BLOCK_DIFFUSION_ONLY:
-        if getattr(p, key) is not None and not model_block:
-            raise InvalidRequestError(key, "applies to block-diffusion models (joint_threshold)")
+    if not model_block:
+        for algorithm, keys in BLOCK_ALGORITHM_KEYS.items():
+            for key in keys:
+                if getattr(p, key) is not None:
+                    raise InvalidRequestError(
+                        key, f"applies to block-diffusion models (SDAR, LLaDA2; {algorithm})"
+                    )
+        if p.algorithm == "multi_bd":
+            raise InvalidRequestError(
+                "algorithm", "multi_bd (Diffulex) is for block-diffusion models (SDAR, LLaDA2)"
+            )
     if model_block:
         return resolve_block_diffusion(
             p,
@@ -444,6 +459,9 @@ def resolve_acceleration(
 # LLaDA2 threshold 0.95. ====
 
 BLOCK_CONFIDENCE_DEFAULTS = {"sdar": 0.85, "llada2": 0.95}
+# Diffulex multi_bd: its SDAR sampler compares with a fixed 0.95 (diffulex/sampler/sdar.py),
+# its LLaDA2 sampler with accept_threshold, 0.9 by default (diffulex/config.py)
+MULTI_BD_THRESHOLDS = {"sdar": 0.95, "llada2": 0.9}
 DEFAULT_EB_THRESHOLD = 0.35
 # SGLang JointThreshold (LLaDA2.1 token editing): threshold 0.5, edit_threshold 0.0,
 # max_post_edit_steps 16
@@ -499,22 +517,28 @@ def resolve_block_diffusion(
             "algorithm",
             f"block-diffusion models take {', '.join(BLOCK_ALGORITHMS)} (got {algorithm})",
         )
+    if algorithm == "multi_bd" and p.steps is not None:
+        raise InvalidRequestError(
+            "steps", "multi_bd has no step schedule: it commits by confidence (threshold)"
+        )
     threshold = p.threshold
+    if algorithm == "multi_bd" and threshold is None:
+        threshold = MULTI_BD_THRESHOLDS.get(family, DEFAULT_THRESHOLD)
     if algorithm == "low_confidence_dynamic" and threshold is None:
         threshold = BLOCK_CONFIDENCE_DEFAULTS.get(family, DEFAULT_THRESHOLD)
     if algorithm == "entropy_bounded" and threshold is None:
         threshold = DEFAULT_EB_THRESHOLD
     if algorithm == "joint_threshold" and threshold is None:
         threshold = DEFAULT_JOINT_THRESHOLD
-    if algorithm != "joint_threshold":
-        for key in BLOCK_DIFFUSION_ONLY:
-            if getattr(p, key) is not None:
-                raise InvalidRequestError(key, "applies to algorithm joint_threshold only")
-    elif p.max_nfe is not None:
+    for owner, keys in BLOCK_ALGORITHM_KEYS.items():
+        for key in keys:
+            if algorithm != owner and getattr(p, key) is not None:
+                raise InvalidRequestError(key, f"applies to algorithm {owner} only")
+    if algorithm == "joint_threshold" and p.max_nfe is not None:
         raise InvalidRequestError("max_nfe", "does not apply to joint_threshold (token editing)")
     if threshold is not None and algorithm in ("low_confidence_static", "sequential"):
         raise InvalidRequestError("threshold", f"algorithm {algorithm} takes no threshold")
-    if algorithm in ("low_confidence_dynamic", "joint_threshold") and threshold > 1.0:
+    if algorithm in ("low_confidence_dynamic", "joint_threshold", "multi_bd") and threshold > 1.0:
         raise InvalidRequestError("threshold", f"must be in (0, 1] for {algorithm}")
     return ResolvedParams(
         max_tokens=max_tokens,
@@ -530,5 +554,14 @@ def resolve_block_diffusion(
         edit_threshold=DEFAULT_EDIT_THRESHOLD if p.edit_threshold is None else p.edit_threshold,
         max_post_edit_steps=(
             DEFAULT_POST_EDIT_STEPS if p.max_post_edit_steps is None else p.max_post_edit_steps
+        ),
+        buffer_size=DEFAULT_BUFFER_SIZE if p.buffer_size is None else p.buffer_size,
+        add_block_threshold=(
+            DEFAULT_ADD_BLOCK_THRESHOLD if p.add_block_threshold is None else p.add_block_threshold
+        ),
+        semi_complete_threshold=(
+            DEFAULT_SEMI_COMPLETE_THRESHOLD
+            if p.semi_complete_threshold is None
+            else p.semi_complete_threshold
         ),
     )

@@ -9,6 +9,7 @@ import torch
 
 from .block_diffusion import BlockLayout
 from .decoding import DreamSchedule, llada_block_schedule
+from .decoding.multi_bd import MultiBDState
 from .decoding.multi_block import MultiBlockState
 from .sampling_params import ResolvedParams
 
@@ -33,6 +34,7 @@ class Sequence:
         family: str,
         mask_id: int,
         device: torch.device,
+        stop_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -84,6 +86,18 @@ class Sequence:
             if params.accel.multi_block
             else None
         )
+        # issue 16: Diffulex multi-block diffusion: a running set of several blocks
+        self.mbd = (
+            MultiBDState(
+                self.layout,
+                buffer_size=params.buffer_size,
+                add_block_threshold=params.add_block_threshold,
+                semi_complete_threshold=params.semi_complete_threshold,
+                stop_ids=stop_ids,
+            )
+            if self.layout is not None and params.algorithm == "multi_bd"
+            else None
+        )
         self.masks_in_block = self.window_width
 
     @property
@@ -95,6 +109,8 @@ class Sequence:
         """Absolute position of the active block's first token."""
         if self.multi is not None:
             return self.prompt_len + self.multi.window()[0]
+        if self.mbd is not None:
+            return self.mbd.window()[0]
         if self.layout is not None:
             return self._window[0]
         return self.prompt_len + self.block * self.params.block_length
@@ -103,6 +119,9 @@ class Sequence:
     def window_width(self) -> int:
         if self.multi is not None:
             lo, hi = self.multi.window()
+            return hi - lo
+        if self.mbd is not None:
+            lo, hi = self.mbd.window()
             return hi - lo
         if self.layout is not None:
             return self._window[1] - self._window[0]
@@ -162,6 +181,11 @@ class Sequence:
             self._absorb_edits(start, window_tokens)
             return
         self.canvas[start : start + len(window_tokens)] = window_tokens
+        if self.mbd is not None:  # the running set moves; keys final up to `kv_upto`
+            self.forwards += 1
+            self.kv_upto = self.mbd.absorb(self.canvas, self.mask_id, self.kv_upto)
+            self.masks_in_block = self.mbd.window_masks()
+            return
         if self.multi is not None:
             self.forwards += 1
             self.multi.absorb(self.canvas, self.mask_id)
@@ -214,6 +238,8 @@ class Sequence:
         `max_tokens`; positions past it only complete the last block)."""
         if self.editing:
             return self.final_upto >= self.params.max_tokens
+        if self.mbd is not None and self.mbd.done:
+            return True
         return self.mask_id not in self.canvas[: self.params.max_tokens]
 
     def committed_prefix(self) -> list[int]:

@@ -30,10 +30,20 @@ BLOCK_ALGORITHMS = (
     "sequential",
     "entropy_bounded",
     "joint_threshold",  # LLaDA2.1 token editing (SGLang JointThreshold)
+    "multi_bd",  # Diffulex Multi-Block Diffusion: several blocks in one forward
 )
-# issue 16: keys that only block-diffusion models take (LLaDA2.1 token editing); other
-# models refuse them by name
-BLOCK_DIFFUSION_ONLY = ("edit_threshold", "max_post_edit_steps")
+# issue 16: keys that only block-diffusion models take, by the algorithm that reads them
+# (LLaDA2.1 token editing, Diffulex's multi_bd); other models refuse them by name
+BLOCK_ALGORITHM_KEYS = {
+    "joint_threshold": ("edit_threshold", "max_post_edit_steps"),
+    "multi_bd": ("buffer_size", "add_block_threshold", "semi_complete_threshold"),
+}
+BLOCK_DIFFUSION_ONLY = tuple(k for keys in BLOCK_ALGORITHM_KEYS.values() for k in keys)
+# Diffulex's published defaults (diffulex/config.py: Config.buffer_size, DecodingThresholds)
+DEFAULT_BUFFER_SIZE = 4
+DEFAULT_ADD_BLOCK_THRESHOLD = 0.1
+DEFAULT_SEMI_COMPLETE_THRESHOLD = 0.9
+MAX_BUFFER_SIZE = 64
 ALGORITHMS = (
     "low_confidence",
     "random",
@@ -276,10 +286,10 @@ PARAMS: tuple[Param, ...] = (
         default_doc="LLaDA `low_confidence`, Dream `entropy` (`threshold` when only "
         "`threshold` is given)",
         choices=ALGORITHMS,
-        aliases=("remasking", "alg", "remasking_strategy"),
+        aliases=("remasking", "alg", "remasking_strategy", "decoding_strategy"),
         relations="`origin` is Dream's only; block-diffusion models (SDAR, LLaDA2) take "
         "`low_confidence_dynamic` (their default), `low_confidence_static`, `sequential`, "
-        "`entropy_bounded`",
+        "`entropy_bounded`, `joint_threshold`, `multi_bd`; other models refuse `multi_bd`",
         examples=("random", "beam"),
     ),
     Param(
@@ -288,14 +298,15 @@ PARAMS: tuple[Param, ...] = (
         "Commit every masked position of the active block whose confidence is at least this, "
         "at least one per step (parallel decoding: fewer forwards than `steps`).",
         default_doc=f"none ({DEFAULT_THRESHOLD} when `algorithm` is `threshold`; setting it "
-        "alone selects `algorithm: threshold`; 0.5 with `entropy_threshold` / `multi_block`)",
+        "alone selects `algorithm: threshold`; 0.5 with `entropy_threshold` / `multi_block`; "
+        "`multi_bd`: SDAR 0.95, LLaDA2 0.9, as Diffulex's samplers)",
         minimum=0,
         maximum=MAX_ENTROPY_THRESHOLD,
         exclusive_minimum=True,
         relations="in (0, 1] for confidence rules; with `entropy_threshold` (and `multi_block`) "
         f"an entropy bound in nats, (0, {MAX_ENTROPY_THRESHOLD:g}]; not with `random`, `origin` "
         "or `entropy` (no confidence in [0, 1])",
-        aliases=("confidence_threshold", "eb_threshold"),
+        aliases=("confidence_threshold", "eb_threshold", "accept_threshold"),
         examples=(0.9, 25),
     ),
     Param(
@@ -430,6 +441,41 @@ PARAMS: tuple[Param, ...] = (
         maximum=1024,
         relations="block-diffusion models with `joint_threshold` only",
         examples=(4, -1),
+    ),
+    Param(
+        "buffer_size",
+        INT,
+        "Diffulex multi-block diffusion (`algorithm: multi_bd`): at most this many consecutive "
+        "blocks in the running set, refined together in one forward (1 = one block at a "
+        "time). A completed front block keeps its place for the step that stores its keys.",
+        default_doc=f"{DEFAULT_BUFFER_SIZE} (Diffulex)",
+        minimum=1,
+        maximum=MAX_BUFFER_SIZE,
+        relations="block-diffusion models with `multi_bd` only",
+        examples=(2, 0),
+    ),
+    Param(
+        "add_block_threshold",
+        FLOAT,
+        "`multi_bd`: the next block enters the running set once the last one has decoded at "
+        "least this fraction of its positions (one block a step at most).",
+        default_doc=f"{DEFAULT_ADD_BLOCK_THRESHOLD} (Diffulex)",
+        minimum=0,
+        maximum=1,
+        relations="block-diffusion models with `multi_bd` only",
+        examples=(0.5, 1.5),
+    ),
+    Param(
+        "semi_complete_threshold",
+        FLOAT,
+        "`multi_bd`: a running block commits at least its most confident mask each step once "
+        "its predecessor has decoded at least this fraction (otherwise only masks above "
+        "`threshold`).",
+        default_doc=f"{DEFAULT_SEMI_COMPLETE_THRESHOLD} (Diffulex)",
+        minimum=0,
+        maximum=1,
+        relations="block-diffusion models with `multi_bd` only",
+        examples=(0.75, -0.1),
     ),
     Param(
         "priority",

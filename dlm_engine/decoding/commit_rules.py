@@ -12,6 +12,10 @@ Rules (per row, mixed freely in one step):
   confidence >= kappa also commit masked positions within W whose confidence >= tau.
 Multi-block rows (d3LLM) then force one commit in their first activated block if the rule
 gave it none (its best-scored mask).
+- multi_bd: Diffulex's multi-block diffusion (block-diffusion rows): per block of the row's
+  window (its running set), every confidence > tau; a block whose predecessor is
+  semi-complete (or the sequence's first block) also commits its most confident mask if none
+  passed.
 
 Everything here is vectorised over rows: no host synchronisation. Scores that upstream
 computes in a different precision (entropy, LocalLeap's confidence) are computed in that
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-RANK, THRESHOLD, FACTOR, ENTROPY, LEAP, SEQUENTIAL, DYNAMIC, BOUNDED, JOINT = range(9)
+RANK, THRESHOLD, FACTOR, ENTROPY, LEAP, SEQUENTIAL, DYNAMIC, BOUNDED, JOINT, MULTI_BD = range(10)
 _CODES = {
     "factor": FACTOR,
     "entropy_threshold": ENTROPY,
@@ -36,6 +40,7 @@ _CODES = {
     "low_confidence_dynamic": DYNAMIC,
     "entropy_bounded": BOUNDED,
     "joint_threshold": JOINT,  # LLaDA2.1 token editing
+    "multi_bd": MULTI_BD,  # Diffulex multi-block diffusion
 }
 _SCHEDULED = (RANK, LEAP, SEQUENTIAL, DYNAMIC)  # rules that take the step schedule's k
 
@@ -62,6 +67,8 @@ class RowRule:
     keep_best: bool  # the lowest entropy is always committed
     forced: tuple[int, int] | None  # multi-block: window-relative first activated block
     edit: float = float("nan")  # joint_threshold: edit_threshold (NaN: no editing)
+    # multi_bd: (block length, window offset in its first block, forced flag per block)
+    blocks: tuple[int, int, tuple[bool, ...]] | None = None
 
 
 def _idx(rows: list[RowRule], pred, device: torch.device) -> torch.Tensor | None:
@@ -95,6 +102,14 @@ class CommitPlan:
         self.joint = _idx(rows, lambda r: r.code == JOINT, device)
         if self.joint is not None:
             self.edit = torch.tensor([r.edit for r in rows], device=device, dtype=f64)
+        self.mbd = _idx(rows, lambda r: r.code == MULTI_BD, device)
+        if self.mbd is not None:  # per row: block length, offset, forced flag per block
+            specs = [r.blocks for r in rows if r.code == MULTI_BD]
+            n = max(len(f) for _, _, f in specs)
+            self.mbd_len = torch.tensor([b for b, _, _ in specs], device=device)
+            self.mbd_off = torch.tensor([o for _, o, _ in specs], device=device)
+            forced = [list(f) + [False] * (n - len(f)) for _, _, f in specs]
+            self.mbd_forced = torch.tensor(forced, dtype=torch.bool, device=device)
         self.forced = _idx(rows, lambda r: r.forced is not None, device)
         if self.forced is not None:
             spans = [r.forced for r in rows if r.forced is not None]
@@ -169,6 +184,8 @@ class CommitPlan:
             chosen[self.leap] = self._leap(leap_conf, ranks[self.leap], selectable[self.leap])
         if self.any_block:
             chosen = self._block_rules(chosen, conf, ranks, selectable, extra)
+        if self.mbd is not None:
+            chosen[self.mbd] = self._multi_bd(conf, ranks, selectable)
         chosen &= selectable
         if self.joint is not None:  # LLaDA2.1: rewrite decoded positions whose proposal differs
             edits = extra["decoded"] & (x0 != extra["current"])
@@ -212,6 +229,26 @@ class CommitPlan:
             )
             chosen = torch.where(code == BOUNDED, ent_rank < n[:, None], chosen)
         return chosen
+
+    def _multi_bd(
+        self, conf: torch.Tensor, ranks: torch.Tensor, selectable: torch.Tensor
+    ) -> torch.Tensor:
+        """Diffulex multi_bd (its SDAR / LLaDA2 samplers' accepted ids), block by block of
+        each row's window: every mask with confidence > tau; a forced block that has none
+        commits its most confident mask (the first on ties: the row's stable ranks)."""
+        sel = self.mbd
+        conf, ranks, selectable = conf[sel], ranks[sel], selectable[sel]
+        n, w = conf.shape
+        pos = torch.arange(w, device=conf.device)[None, :] + self.mbd_off[:, None]
+        seg = (pos // self.mbd_len[:, None]).clamp(max=self.mbd_forced.shape[1] - 1)
+        high = (conf > self.threshold[sel, None].to(conf.dtype)) & selectable
+        passed = torch.zeros_like(self.mbd_forced, dtype=torch.long)
+        passed = passed.scatter_add(1, seg, high.long()) > 0
+        key = ranks.masked_fill(~selectable, w)
+        best = torch.full_like(passed, w, dtype=key.dtype).scatter_reduce(1, seg, key, "amin")
+        is_best = (key == best.gather(1, seg)) & selectable
+        need = (self.mbd_forced & ~passed).gather(1, seg)
+        return high | (is_best & need)
 
     def _factor(
         self, score: torch.Tensor, ranks: torch.Tensor, selectable: torch.Tensor
@@ -262,7 +299,11 @@ def row_rule(seq, family: str) -> RowRule:
     a = p.accel
     code = rule_code(p.algorithm, seq.uses_threshold)
     if seq.layout is not None and seq.last_forward:
-        code = RANK  # max_nfe spent: the rest of the block at once
+        code = RANK  # max_nfe spent: the rest of the block (multi_bd: running set) at once
+    blocks = None
+    if code == MULTI_BD:
+        size = seq.layout.block
+        blocks = (size, seq.window_start % size, seq.mbd.forced())
     forced = None
     multi = seq.multi is not None
     if multi:
@@ -284,4 +325,5 @@ def row_rule(seq, family: str) -> RowRule:
         keep_best=not (dream and multi),
         forced=forced,
         edit=p.edit_threshold if code == JOINT else float("nan"),
+        blocks=blocks,
     )
