@@ -112,7 +112,8 @@ def accel_settings(max_tokens: int, block: int = 8) -> list[Setting]:
 def block_settings(max_tokens: int, block: int = 4) -> list[Setting]:
     """Issue 16, the embedded block-diffusion tiny-sdar (blocks of 4): SDAR's four commit
     rules; `steps` counts per block, so k = block / steps tokens a forward for the static
-    rules and at least that many for the dynamic and entropy-bounded ones."""
+    rules and at least that many for the dynamic and entropy-bounded ones; then Diffulex's
+    multi_bd (several blocks a forward) at buffer sizes 1, 2 and 4."""
     mt = {"max_tokens": max_tokens}
     out = [
         Setting(f"k={k}", dict(mt, algorithm="low_confidence_static", steps=block // k))
@@ -129,6 +130,10 @@ def block_settings(max_tokens: int, block: int = 4) -> list[Setting]:
     out += [
         Setting(f"sequential k={k}", dict(mt, algorithm="sequential", steps=block // k))
         for k in (1, 2)
+    ]
+    out += [  # Diffulex multi-block diffusion at its published thresholds, by buffer size
+        Setting(f"multi_bd buffer={b}", dict(mt, algorithm="multi_bd", buffer_size=b))
+        for b in (1, 2, 4)
     ]
     return out
 

@@ -312,7 +312,7 @@ def test_llada_refuses_multi_bd_by_name(llada: Engine, params: dict, field: str)
 
 ASSET = Path(__file__).resolve().parents[2] / "dlm_engine" / "assets" / "tiny-sdar"
 N_QUESTIONS = 60
-MIN_ACCURACY = 0.8  # measured 93.3% (default single-block rule: 95.0%)
+MIN_ACCURACY = 0.85  # measured 98.3% (the default single-block rule: 100%)
 
 
 def _answer_all(engine: Engine, params: dict) -> tuple[float, float]:
