@@ -133,8 +133,17 @@ def _check(engine: Engine, pairs: list[tuple[list[int], dict]]) -> None:
     assert alone == expected
     assert [o.token_ids for o in batched] == expected
     assert engine.runner.forward_passes - forwards0 == engine.total_forwards - steps0
-    assert not engine.runner.slots, "every finished request gave its cache slot back"
+    _assert_pages_back(engine)
     assert any(len(e) > 8 for e in expected), "the cases must decode past a block"
+
+
+def _assert_pages_back(engine: Engine) -> None:
+    """No row holds a KV page or a reservation: every page is free or idle (cached)."""
+    bp = engine.runner.block_pages
+    assert not bp.rows, "every finished request gave its pages back"
+    pool = bp.pool
+    assert pool.reserved == 0 and not any(pool.refs)
+    assert pool.available == pool.pages == len(pool.free) + len(pool.idle)
 
 
 def _pairs(engine: Engine, cases: list[dict], prompts: list[str] = PROMPTS) -> list:
@@ -205,7 +214,7 @@ def test_cache_is_exact_at_every_step(sdar: Engine) -> None:
     assert max(widths) <= 3 * 4
     # after the prefill a step feeds its running set and completed blocks once more
     assert max(fed[1:]) <= 4 * 4 + 4
-    assert not sdar.runner.slots
+    _assert_pages_back(sdar)
 
 
 def test_running_set_respects_buffer_and_entry_rules(sdar: Engine) -> None:
@@ -230,7 +239,7 @@ def test_max_nfe_commits_the_running_set_and_ends(sdar: Engine) -> None:
             "add_block_threshold": 0.0, "max_nfe": 3}  # fmt: skip
     out = sdar.generate([prompt], case)[0]
     assert out.steps == 3 and out.finish_reason in ("length", "stop")
-    assert not sdar.runner.slots
+    _assert_pages_back(sdar)
 
 
 # ---- request keys ---------------------------------------------------------------------------
