@@ -171,6 +171,12 @@ def resolve(
             raise InvalidRequestError(
                 "algorithm", "multi_bd (Diffulex) is for block-diffusion models (SDAR, LLaDA2)"
             )
+        if p.algorithm in BLOCK_ALGORITHMS:  # proven against SDAR/LLaDA2 loops only
+            raise InvalidRequestError(
+                "algorithm",
+                f"{p.algorithm} is a block-diffusion commit rule (SDAR, LLaDA2); "
+                "this model takes low_confidence, threshold, entropy and the others in docs/api.md",
+            )
     if model_block:
         return resolve_block_diffusion(
             p,

@@ -308,6 +308,12 @@ def test_multi_bd_errors_name_the_field(sdar: Engine, params: dict, field: str) 
         ({"buffer_size": 2}, "buffer_size"),
         ({"add_block_threshold": 0.1}, "add_block_threshold"),
         ({"semi_complete_threshold": 0.9}, "semi_complete_threshold"),
+        # the other block-diffusion rules are proven against SDAR/LLaDA2 loops only
+        ({"algorithm": "sequential"}, "algorithm"),
+        ({"algorithm": "entropy_bounded", "threshold": 0.5}, "algorithm"),
+        ({"algorithm": "joint_threshold"}, "algorithm"),
+        ({"algorithm": "low_confidence_static"}, "algorithm"),
+        ({"algorithm": "low_confidence_dynamic"}, "algorithm"),
     ],
 )
 def test_llada_refuses_multi_bd_by_name(llada: Engine, params: dict, field: str) -> None:
