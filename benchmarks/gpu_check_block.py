@@ -5,7 +5,7 @@ pages, CUDA graphs on bucketed shapes) against the plain no-cache reference loop
 
 The unit tests prove the same equalities on CPU (tests/unit/test_engine_block_diffusion.py);
 this runs them where CUDA graphs are captured and replayed. Checks: the embedded trained
-`tiny-sdar` on held-out questions with SDAR's four commit rules mixed in one batch (float32),
+`tiny-sdar` on held-out questions with SDAR's four commit rules and Diffulex's multi_bd mixed in one batch (float32),
 then the same questions behind one shared system prompt, asked twice so that the second round
 reads the first round's prefix pages; and random tiny LLaDA2 checkpoints (float32).
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from dlm_engine import Engine, EngineConfig, testing
-from dlm_engine.reference_block import llada2_generate, sdar_generate
+from dlm_engine.reference_block import llada2_generate, multi_bd_generate, sdar_generate
 from dlm_engine.training import tasks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,11 +30,14 @@ SDAR_RULES = [
     {"max_tokens": 32, "algorithm": "low_confidence_static", "steps": 2},
     {"max_tokens": 32, "algorithm": "entropy_bounded", "threshold": 0.5},
     {"max_tokens": 32, "algorithm": "sequential", "steps": 2},
+    {"max_tokens": 32, "algorithm": "multi_bd", "buffer_size": 2},  # Diffulex multi_bd
+    {"max_tokens": 32, "algorithm": "multi_bd"},  # buffer 4
 ]
 LLADA2_CASES = [
     {"max_tokens": 40, "block_length": 8, "steps": 8},
     {"max_tokens": 24, "block_length": 4, "steps": 2, "threshold": 0.2},
     {"max_tokens": 40},
+    {"max_tokens": 40, "block_length": 8, "algorithm": "multi_bd", "threshold": 0.3},
 ]
 
 
@@ -44,8 +47,28 @@ def _trim(engine: Engine, tokens: torch.Tensor, max_tokens: int) -> list[int]:
     return out if stop is None else out[:stop]
 
 
+def multi_bd_reference(engine: Engine, prompt: list[int], case: dict) -> list[int]:
+    r = engine.resolve_params(case)
+    run = multi_bd_generate(
+        engine.loaded.model,
+        torch.tensor(prompt, device=engine.runner.device),
+        mask_id=engine.mask_id,
+        gen_length=r.max_tokens,
+        block_length=r.block_length,
+        buffer_size=r.buffer_size,
+        threshold=r.threshold,
+        add_block_threshold=r.add_block_threshold,
+        semi_complete_threshold=r.semi_complete_threshold,
+        temperature=0.0,
+        stop_ids=sorted(engine.stop_ids),
+    )
+    return _trim(engine, run.tokens, r.max_tokens)
+
+
 def sdar_reference(engine: Engine, prompt: list[int], case: dict) -> list[int]:
     r = engine.resolve_params(case)
+    if r.algorithm == "multi_bd":
+        return multi_bd_reference(engine, prompt, case)
     run = sdar_generate(
         engine.loaded.model,
         torch.tensor(prompt, device=engine.runner.device),
@@ -64,6 +87,8 @@ def sdar_reference(engine: Engine, prompt: list[int], case: dict) -> list[int]:
 
 def llada2_reference(engine: Engine, prompt: list[int], case: dict) -> list[int]:
     r = engine.resolve_params(case)
+    if r.algorithm == "multi_bd":
+        return multi_bd_reference(engine, prompt, case)
     run = llada2_generate(
         engine.loaded.model,
         torch.tensor(prompt, device=engine.runner.device),
@@ -103,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     exs = tasks.heldout_examples(args.n)
     prompts = [sdar.encode_prompt(messages=tasks.messages_for(e)) for e in exs]
     pairs = [(p, SDAR_RULES[i % len(SDAR_RULES)]) for i, p in enumerate(prompts)]
-    ok &= check("tiny-sdar, four rules mixed", sdar, pairs, sdar_reference)
+    ok &= check("tiny-sdar, four rules and multi_bd mixed", sdar, pairs, sdar_reference)
     system = {"role": "system", "content": "You answer with the bare result. " * 12}
     shared = [sdar.encode_prompt(messages=[system, *tasks.messages_for(e)]) for e in exs]
     pairs = [(p, SDAR_RULES[i % len(SDAR_RULES)]) for i, p in enumerate(shared)]
