@@ -24,7 +24,21 @@ ENV_OVERRIDES = {
     "max_canvas": "DLM_MAX_CANVAS",
     "max_prompt": "DLM_MAX_PROMPT",
     "max_queue": "DLM_MAX_QUEUE",
+    # block-diffusion models' KV page pool and prefix cache (dlm_engine/paged_kv.py)
+    "kv_cache_tokens": "DLM_KV_CACHE_TOKENS",
+    "kv_cache_memory_fraction": "DLM_KV_CACHE_MEMORY_FRACTION",
+    "prefix_cache_tokens": "DLM_PREFIX_CACHE_TOKENS",
 }
+# unset: the engine's defaults (EngineConfig)
+INT_KEYS = (
+    "max_rows",
+    "max_canvas",
+    "max_prompt",
+    "max_queue",
+    "kv_cache_tokens",
+    "prefix_cache_tokens",
+)
+OPTIONAL_KEYS = ("kv_cache_tokens", "kv_cache_memory_fraction", "prefix_cache_tokens")
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "dlm_engine" / "assets"
 
 
@@ -39,6 +53,9 @@ class InstanceSettings:
     max_canvas: int = limits.MAX_CANVAS
     max_prompt: int = limits.MAX_PROMPT
     max_queue: int = limits.MAX_QUEUE
+    kv_cache_tokens: int | None = None  # None: EngineConfig's default
+    kv_cache_memory_fraction: float | None = None
+    prefix_cache_tokens: int | None = None
 
 
 def config_parameters(model_config: dict) -> dict[str, str]:
@@ -78,8 +95,8 @@ def resolve_settings(
     device = merged.get("device") or ("cuda" if kind == "GPU" else "cpu")
     if device == "cuda" and kind == "GPU":
         device = f"cuda:{device_id}"  # one engine per listed GPU
-    ints = {}
-    for key in ("max_rows", "max_canvas", "max_prompt", "max_queue"):
+    ints: dict[str, int | float] = {}
+    for key in INT_KEYS:
         if key in merged:
             try:
                 ints[key] = int(merged[key])
@@ -87,6 +104,14 @@ def resolve_settings(
                 raise ValueError(
                     f"parameter {key} must be an integer, got {merged[key]!r}"
                 ) from exc
+    if "kv_cache_memory_fraction" in merged:
+        try:
+            ints["kv_cache_memory_fraction"] = float(merged["kv_cache_memory_fraction"])
+        except ValueError as exc:
+            raise ValueError(
+                "parameter kv_cache_memory_fraction must be a number, got "
+                f"{merged['kv_cache_memory_fraction']!r}"
+            ) from exc
     return InstanceSettings(
         checkpoint=resolve_checkpoint(merged["checkpoint"], model_dir),
         revision=merged.get("revision") or None,

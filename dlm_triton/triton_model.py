@@ -28,7 +28,7 @@ from dlm_protocol.errors import ERROR_PREFIXES, PREFIX_INTERNAL
 from dlm_triton.intake import Intake
 from dlm_triton.metrics import Metrics
 from dlm_triton.request_parse import RequestError, parse_request
-from dlm_triton.settings import config_parameters, resolve_settings
+from dlm_triton.settings import OPTIONAL_KEYS, config_parameters, resolve_settings
 
 try:  # only importable inside the Python backend stub
     import triton_python_backend_utils as pb_utils
@@ -96,6 +96,9 @@ class TritonPythonModel:
             "max_queue": s.max_queue,
             "quantization": None if s.quantization in ("", "none") else s.quantization,
         }
+        for key in OPTIONAL_KEYS:  # set only when configured: else the engine's default
+            if getattr(s, key) is not None:
+                wanted[key] = getattr(s, key)
         accepted = {f.name for f in fields(EngineConfig)}
         if "quantization" not in accepted and wanted["quantization"]:
             raise ValueError(f"this engine does not support quantization={s.quantization!r}")
@@ -126,6 +129,7 @@ class TritonPythonModel:
             dtype_reason=why,
             device=s.device,
             torch_threads=str(self.torch_threads),
+            **self._kv_pool_labels(),
         )
         pb_utils.Logger.log_info(
             f"dlm model {self.model_name}: checkpoint={s.checkpoint} device={s.device} "
@@ -172,6 +176,19 @@ class TritonPythonModel:
         )
 
     # ------------------------------------------------------------------ requests
+    def _kv_pool_labels(self) -> dict[str, str]:
+        """Block-diffusion models: the KV page pool's size and the prefix cache's idle cap, in
+        tokens, as the engine sized them (from free GPU memory, or the configured tokens)."""
+        pages = getattr(self.engine.runner, "block_pages", None)
+        if pages is None:
+            return {}
+        pool = pages.pool
+        return {
+            "kv_pool_tokens": str(pool.pages * pool.page_tokens),
+            "kv_page_tokens": str(pool.page_tokens),
+            "prefix_cache": "on" if pages.cache is not None else "off",
+        }
+
     def execute(self, requests: list) -> None:
         for request in requests:
             t0 = time.monotonic()

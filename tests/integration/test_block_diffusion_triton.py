@@ -1,7 +1,8 @@
 """A block-diffusion model (SDAR layout, tiny random checkpoint) served by the real
 tritonserver: the text equals the engine's own, the seeds' parameter names pass through
-Triton, bad block-diffusion keys get an error naming the field, and the prefix cache's
-counters move when two requests share a system prompt (its whole KV pages)."""
+Triton, bad block-diffusion keys get an error naming the field, the KV page pool takes the
+size configured for the model (reported by `dlm_model_info`), and the prefix cache's counters
+move when two requests share a system prompt (its whole KV pages)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from triton_metrics import read_metric
 from dlm_engine import testing
 from dlm_engine.config import EngineConfig
 from dlm_engine.engine import Engine
+from dlm_triton.procs import http_text
+from dlm_triton.runtime_info import model_info
 
 SYSTEM = "You are a careful assistant. Answer in one short line. "
 
@@ -24,7 +27,11 @@ def sdar_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_sdar_through_triton(server_factory, sdar_checkpoint: Path) -> None:
-    server = server_factory(sdar_checkpoint, name="tiny-sdar")
+    pool = {"kv_cache_tokens": "4096", "prefix_cache_tokens": "1024"}
+    server = server_factory(sdar_checkpoint, name="tiny-sdar", engine_params=pool)
+    info = model_info(http_text(server.urls["metrics"]), server.model_name)
+    assert (info["kv_pool_tokens"], info["kv_page_tokens"]) == ("4096", "16"), info
+    assert info["prefix_cache"] == "on"
     client = DLMClient(server.urls["grpc"], server.model_name, http_url=server.urls["http"])
     engine = Engine(EngineConfig(model=str(sdar_checkpoint), device="cpu"))
     keys = {"max_tokens": 12, "remasking_strategy": "sequential", "denoising_steps": 2}

@@ -125,6 +125,24 @@ def test_env_overrides_config_parameters() -> None:
     assert (s.dtype, s.max_rows, s.device, s.checkpoint) == ("bfloat16", 8, "cuda:1", "x")
 
 
+def test_kv_pool_settings_parse_and_default_to_the_engine() -> None:
+    """Block-diffusion pool keys: config parameter or env, typed; unset stays None (the
+    engine's own default); a bad value names the key."""
+    s = resolve_settings(
+        {"checkpoint": "x", "kv_cache_tokens": "4096"},
+        environ={"DLM_KV_CACHE_MEMORY_FRACTION": "0.3", "DLM_PREFIX_CACHE_TOKENS": "0"},
+    )
+    assert (s.kv_cache_tokens, s.kv_cache_memory_fraction, s.prefix_cache_tokens) == (
+        4096,
+        0.3,
+        0,
+    )
+    unset = resolve_settings({"checkpoint": "x"}, environ={})
+    assert unset.kv_cache_tokens is unset.kv_cache_memory_fraction is None
+    with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
+        resolve_settings({"checkpoint": "x", "kv_cache_memory_fraction": "half"}, environ={})
+
+
 def test_checkpoint_names_resolve_to_embedded_assets(tmp_path) -> None:
     from dlm_triton.settings import ASSETS_DIR, resolve_checkpoint
 
