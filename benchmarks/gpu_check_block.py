@@ -17,10 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 from dlm_engine import Engine, EngineConfig, testing
-from dlm_engine.reference_block import llada2_generate, multi_bd_generate, sdar_generate
 from dlm_engine.training import tasks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,70 +38,8 @@ LLADA2_CASES = [
 ]
 
 
-def _trim(engine: Engine, tokens: torch.Tensor, max_tokens: int) -> list[int]:
-    out = tokens.tolist()[:max_tokens]
-    stop = next((i for i, t in enumerate(out) if t in engine.stop_ids), None)
-    return out if stop is None else out[:stop]
-
-
-def multi_bd_reference(engine: Engine, prompt: list[int], case: dict) -> list[int]:
-    r = engine.resolve_params(case)
-    run = multi_bd_generate(
-        engine.loaded.model,
-        torch.tensor(prompt, device=engine.runner.device),
-        mask_id=engine.mask_id,
-        gen_length=r.max_tokens,
-        block_length=r.block_length,
-        buffer_size=r.buffer_size,
-        threshold=r.threshold,
-        add_block_threshold=r.add_block_threshold,
-        semi_complete_threshold=r.semi_complete_threshold,
-        temperature=0.0,
-        stop_ids=sorted(engine.stop_ids),
-    )
-    return _trim(engine, run.tokens, r.max_tokens)
-
-
-def sdar_reference(engine: Engine, prompt: list[int], case: dict) -> list[int]:
-    r = engine.resolve_params(case)
-    if r.algorithm == "multi_bd":
-        return multi_bd_reference(engine, prompt, case)
-    run = sdar_generate(
-        engine.loaded.model,
-        torch.tensor(prompt, device=engine.runner.device),
-        mask_id=engine.mask_id,
-        gen_length=r.max_tokens,
-        block_length=r.block_length,
-        denoising_steps=r.steps,
-        temperature=0.0,
-        remasking_strategy=r.algorithm,
-        confidence_threshold=r.threshold or 0.0,
-        eb_threshold=r.threshold,
-        stop_ids=sorted(engine.stop_ids),
-    )
-    return _trim(engine, run.tokens, r.max_tokens)
-
-
-def llada2_reference(engine: Engine, prompt: list[int], case: dict) -> list[int]:
-    r = engine.resolve_params(case)
-    if r.algorithm == "multi_bd":
-        return multi_bd_reference(engine, prompt, case)
-    run = llada2_generate(
-        engine.loaded.model,
-        torch.tensor(prompt, device=engine.runner.device),
-        mask_id=engine.mask_id,
-        eos_id=engine.loaded.eos_id,
-        gen_length=r.max_tokens,
-        block_length=r.block_length,
-        steps=r.steps,
-        threshold=r.threshold,
-        temperature=0.0,
-    )
-    return _trim(engine, run.tokens, r.max_tokens)
-
-
-def check(name: str, engine: Engine, pairs: list[tuple[list[int], dict]], reference) -> bool:
-    expected = [reference(engine, p, c) for p, c in pairs]
+def check(name: str, engine: Engine, pairs: list[tuple[list[int], dict]]) -> bool:
+    expected = [testing.block_reference(engine, p, c) for p, c in pairs]
     got = [o.token_ids for o in engine.generate([p for p, _ in pairs], [c for _, c in pairs])]
     bad = sum(g != e for g, e in zip(got, expected, strict=True))
     graphs = getattr(engine.runner, "graphs", None)
@@ -128,13 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     exs = tasks.heldout_examples(args.n)
     prompts = [sdar.encode_prompt(messages=tasks.messages_for(e)) for e in exs]
     pairs = [(p, SDAR_RULES[i % len(SDAR_RULES)]) for i, p in enumerate(prompts)]
-    ok &= check("tiny-sdar, four rules and multi_bd mixed", sdar, pairs, sdar_reference)
+    ok &= check("tiny-sdar, four rules and multi_bd mixed", sdar, pairs)
     system = {"role": "system", "content": "You answer with the bare result. " * 12}
     shared = [sdar.encode_prompt(messages=[system, *tasks.messages_for(e)]) for e in exs]
     pairs = [(p, SDAR_RULES[i % len(SDAR_RULES)]) for i, p in enumerate(shared)]
     hits0 = sdar.runner.prefix_cache.hit_tokens if sdar.runner.prefix_cache else 0
     for round_ in (1, 2):
-        ok &= check(f"tiny-sdar, shared system prompt, round {round_}", sdar, pairs, sdar_reference)
+        ok &= check(f"tiny-sdar, shared system prompt, round {round_}", sdar, pairs)
     hits = (sdar.runner.prefix_cache.hit_tokens if sdar.runner.prefix_cache else 0) - hits0
     print(f"prefix cache: {hits} prompt tokens read from shared pages", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -145,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             pairs = [
                 (engine.encode_prompt(text=t), c) for c in LLADA2_CASES for t in texts
             ]  # fmt: skip
-            ok &= check(f"random LLaDA2 (seed {seed})", engine, pairs, llada2_reference)
+            ok &= check(f"random LLaDA2 (seed {seed})", engine, pairs)
     print("all equal" if ok else "MISMATCH", flush=True)
     return 0 if ok else 1
 

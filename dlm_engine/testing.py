@@ -332,3 +332,68 @@ def seed_hub_cache(
     for ref in refs:
         (repo / "refs" / ref).write_text(commit)
     return snapshot
+
+
+def block_reference_run(engine: Any, prompt: list[int], params: dict[str, Any]) -> Any:
+    """The plain no-cache loop (dlm_engine/reference_block.py) of a block-diffusion request
+    as `engine` resolves it, on the engine's own model: Diffulex's multi_bd, LLaDA2.1's
+    token editing, LLaDA2's threshold loop or SDAR's four rules. Returns its `BlockRun`."""
+    from . import reference_block as ref
+
+    r = engine.resolve_params(params)
+    model, mask_id = engine.loaded.model, engine.mask_id
+    x = torch.tensor(prompt, device=next(model.parameters()).device)
+    common = {"mask_id": mask_id, "gen_length": r.max_tokens, "block_length": r.block_length}
+    if r.algorithm == "multi_bd":
+        return ref.multi_bd_generate(
+            model,
+            x,
+            **common,
+            buffer_size=r.buffer_size,
+            threshold=r.threshold,
+            add_block_threshold=r.add_block_threshold,
+            semi_complete_threshold=r.semi_complete_threshold,
+            temperature=0.0,
+            stop_ids=sorted(engine.stop_ids),
+        )
+    if r.algorithm == "joint_threshold":
+        return ref.joint_threshold_generate(
+            model,
+            x,
+            **common,
+            eos_id=engine.loaded.eos_id,
+            threshold=r.threshold,
+            edit_threshold=r.edit_threshold,
+            max_post_edit_steps=r.max_post_edit_steps,
+            temperature=0.0,
+        )
+    if engine.loaded.family is LLADA2:
+        return ref.llada2_generate(
+            model,
+            x,
+            **common,
+            eos_id=engine.loaded.eos_id,
+            steps=r.steps,
+            threshold=r.threshold,
+            temperature=0.0,
+        )
+    return ref.sdar_generate(
+        model,
+        x,
+        **common,
+        denoising_steps=r.steps,
+        temperature=0.0,
+        remasking_strategy=r.algorithm,
+        confidence_threshold=r.threshold or 0.0,
+        eb_threshold=r.threshold,
+        stop_ids=sorted(engine.stop_ids),
+    )
+
+
+def block_reference(engine: Any, prompt: list[int], params: dict[str, Any]) -> list[int]:
+    """`block_reference_run`'s answer as the engine reports it: the tokens before the first
+    stop id, at most max_tokens (the loops return whole decoded blocks)."""
+    max_tokens = engine.resolve_params(params).max_tokens
+    out = block_reference_run(engine, prompt, params).tokens.tolist()[:max_tokens]
+    stop = next((i for i, t in enumerate(out) if t in engine.stop_ids), None)
+    return out if stop is None else out[:stop]

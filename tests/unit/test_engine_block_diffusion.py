@@ -11,13 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from dlm_engine import testing
 from dlm_engine.config import EngineConfig
 from dlm_engine.engine import Engine
 from dlm_engine.errors import InvalidRequestError
-from dlm_engine.reference_block import llada2_generate, sdar_generate
 
 PROMPTS = ["Hello there", "abc", "What is 2+2? Tell me more.", "x"]
 SDAR_CASES = [
@@ -47,46 +45,11 @@ def llada2(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     return Engine(EngineConfig(model=str(path), device="cpu"))
 
 
-def _expected(engine: Engine, tokens: torch.Tensor, max_tokens: int) -> list[int]:
-    """The reference's answer as the engine reports it: up to the first stop id (not
-    included), at most max_tokens."""
-    out = tokens.tolist()[:max_tokens]
-    stop = next((i for i, t in enumerate(out) if t in engine.stop_ids), None)
-    return out if stop is None else out[:stop]
-
-
 def _sdar_reference(engine: Engine, prompt: list[int], case: dict) -> list[int]:
-    r = engine.resolve_params(case)
-    run = sdar_generate(
-        engine.loaded.model,
-        torch.tensor(prompt),
-        mask_id=engine.mask_id,
-        gen_length=r.max_tokens,
-        block_length=r.block_length,
-        denoising_steps=r.steps,
-        temperature=0.0,
-        remasking_strategy=r.algorithm,
-        confidence_threshold=r.threshold or 0.0,
-        eb_threshold=r.threshold,
-        stop_ids=sorted(engine.stop_ids),
-    )
-    return _expected(engine, run.tokens, r.max_tokens)
+    return testing.block_reference(engine, prompt, case)
 
 
-def _llada2_reference(engine: Engine, prompt: list[int], case: dict) -> list[int]:
-    r = engine.resolve_params(case)
-    run = llada2_generate(
-        engine.loaded.model,
-        torch.tensor(prompt),
-        mask_id=engine.mask_id,
-        eos_id=engine.loaded.eos_id,
-        gen_length=r.max_tokens,
-        block_length=r.block_length,
-        steps=r.steps,
-        threshold=r.threshold,
-        temperature=0.0,
-    )
-    return _expected(engine, run.tokens, r.max_tokens)
+_llada2_reference = _sdar_reference  # the dispatcher picks the family's loop
 
 
 def _check(engine: Engine, cases: list[dict], reference) -> None:
@@ -414,23 +377,9 @@ JOINT_CASES = [
 
 
 def _joint_reference(engine: Engine, prompt: list[int], case: dict) -> list[int]:
-    from dlm_engine.reference_block import joint_threshold_generate
-
-    r = engine.resolve_params(case)
-    run = joint_threshold_generate(
-        engine.loaded.model,
-        torch.tensor(prompt),
-        mask_id=engine.mask_id,
-        eos_id=engine.loaded.eos_id,
-        gen_length=r.max_tokens,
-        block_length=r.block_length,
-        threshold=r.threshold,
-        edit_threshold=r.edit_threshold,
-        max_post_edit_steps=r.max_post_edit_steps,
-        temperature=0.0,
-    )
+    run = testing.block_reference_run(engine, prompt, case)
     _joint_reference.edits += sum(sum(e) for e in run.edits)
-    return _expected(engine, run.tokens, r.max_tokens)
+    return testing.block_reference(engine, prompt, case)
 
 
 _joint_reference.edits = 0

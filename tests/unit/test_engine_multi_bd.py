@@ -22,9 +22,6 @@ from dlm_engine.engine import Engine
 from dlm_engine.errors import InvalidRequestError
 from dlm_engine.reference_block import (
     block_logits,
-    joint_threshold_generate,
-    multi_bd_generate,
-    sdar_generate,
 )
 from dlm_engine.training import tasks
 
@@ -60,66 +57,16 @@ def llada2(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     return Engine(EngineConfig(model=str(path), device="cpu"))
 
 
-def _expected(engine: Engine, tokens: torch.Tensor, max_tokens: int) -> list[int]:
-    """A reference's answer as the engine reports it: before the first stop id, at most
-    max_tokens."""
-    out = tokens.tolist()[:max_tokens]
-    stop = next((i for i, t in enumerate(out) if t in engine.stop_ids), None)
-    return out if stop is None else out[:stop]
-
-
 def _mbd_run(engine: Engine, prompt: list[int], case: dict):
-    r = engine.resolve_params(case)
-    return multi_bd_generate(
-        engine.loaded.model,
-        torch.tensor(prompt),
-        mask_id=engine.mask_id,
-        gen_length=r.max_tokens,
-        block_length=r.block_length,
-        buffer_size=r.buffer_size,
-        threshold=r.threshold,
-        add_block_threshold=r.add_block_threshold,
-        semi_complete_threshold=r.semi_complete_threshold,
-        temperature=0.0,
-        stop_ids=sorted(engine.stop_ids),
-    )
+    return testing.block_reference_run(engine, prompt, case)
 
 
 def _reference(engine: Engine, prompt: list[int], case: dict) -> list[int]:
     """The plain loop of the case's rule: multi_bd's, or a single-block rule's."""
-    r = engine.resolve_params(case)
-    model, x = engine.loaded.model, torch.tensor(prompt)
-    if r.algorithm == "multi_bd":
+    if engine.resolve_params(case).algorithm == "multi_bd":
         run = _mbd_run(engine, prompt, case)
         _reference.widest = max(_reference.widest, *map(len, run.running))
-    elif r.algorithm == "joint_threshold":
-        run = joint_threshold_generate(
-            model,
-            x,
-            mask_id=engine.mask_id,
-            eos_id=engine.loaded.eos_id,
-            gen_length=r.max_tokens,
-            block_length=r.block_length,
-            threshold=r.threshold,
-            edit_threshold=r.edit_threshold,
-            max_post_edit_steps=r.max_post_edit_steps,
-            temperature=0.0,
-        )
-    else:
-        run = sdar_generate(
-            model,
-            x,
-            mask_id=engine.mask_id,
-            gen_length=r.max_tokens,
-            block_length=r.block_length,
-            denoising_steps=r.steps,
-            temperature=0.0,
-            remasking_strategy=r.algorithm,
-            confidence_threshold=r.threshold or 0.0,
-            eb_threshold=r.threshold,
-            stop_ids=sorted(engine.stop_ids),
-        )
-    return _expected(engine, run.tokens, r.max_tokens)
+    return testing.block_reference(engine, prompt, case)
 
 
 _reference.widest = 0  # most blocks one reference forward sampled
@@ -365,5 +312,5 @@ def test_tiny_sdar_answers_heldout_questions_with_multi_bd() -> None:
     case = {**MBD, "max_tokens": 32}
     for ex in tasks.heldout_examples(4):
         prompt = engine.encode_prompt(messages=tasks.messages_for(ex))
-        expected = _expected(engine, _mbd_run(engine, prompt, case).tokens, 32)
+        expected = testing.block_reference(engine, prompt, case)
         assert engine.generate([prompt], case)[0].token_ids == expected
