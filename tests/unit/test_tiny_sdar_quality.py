@@ -54,19 +54,13 @@ def test_checkpoint_is_small_and_in_sdar_layout() -> None:
 def test_heldout_exact_match_at_t0(engine: Engine, params: dict) -> None:
     """≥ 85% exact match on 60 held-out questions at T=0; every request stops by itself."""
     examples = tasks.heldout_examples(N_QUESTIONS)
-    sampling = SamplingParams(max_tokens=32, temperature=0.0, **params)
-    for i, ex in enumerate(examples):
-        engine.add_request(f"q{i}", engine.encode_prompt(messages=tasks.messages_for(ex)), sampling)
-    finals = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
+    prompts = [engine.encode_prompt(messages=tasks.messages_for(ex)) for ex in examples]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, **params))
     wrong = [
-        (ex.question, ex.answer, finals[f"q{i}"].text)
-        for i, ex in enumerate(examples)
-        if finals[f"q{i}"].text.strip() != ex.answer
+        (ex.question, ex.answer, out.text)
+        for ex, out in zip(examples, outs, strict=True)
+        if out.text.strip() != ex.answer
     ]
     accuracy = 1 - len(wrong) / len(examples)
     assert accuracy >= MIN_ACCURACY, f"accuracy {accuracy:.1%}; wrong: {wrong}"
-    assert all(finals[f"q{i}"].finish_reason == "stop" for i in range(len(examples)))
+    assert all(out.finish_reason == "stop" for out in outs)
