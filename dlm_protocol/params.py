@@ -289,7 +289,7 @@ PARAMS: tuple[Param, ...] = (
         aliases=("remasking", "alg", "remasking_strategy", "decoding_strategy"),
         relations="`origin` is Dream's only; block-diffusion models (SDAR, LLaDA2) take "
         "`low_confidence_dynamic` (their default), `low_confidence_static`, `sequential`, "
-        "`entropy_bounded`, `joint_threshold`, `multi_bd`; other models refuse `multi_bd`",
+        "`entropy_bounded`, `joint_threshold`, `multi_bd`; other models refuse all six by name",
         examples=("random", "beam"),
     ),
     Param(
