@@ -38,6 +38,10 @@ MAX_EJECT_S = 30.0
 # Markers of an attempt the replica never accepted: moving on costs the request nothing.
 _REFUSAL_MARKERS = ("failed to connect", "connection refused", "connect failed", "dns resolution")
 _SHUTDOWN_MARKERS = ("shutting down", "server is stopping", "draining")
+# Triton's answer for a model it is unloading or has not loaded yet ("Request for unknown model:
+# 'x' has no available versions"): a replica is only picked while its probe lists the model
+# READY, so this means the model left it (a draining or restarting server) since that probe.
+_MODEL_GONE_MARKERS = ("no available versions", "unknown model")
 
 
 class Outcome(enum.Enum):
@@ -93,6 +97,8 @@ def classify(err: BaseException) -> Outcome:
         return Outcome.FAILED
     if isinstance(err, InternalError) and err.code == "upstream_error":
         return Outcome.FAILED  # an unrecognised gRPC failure, not the model's own message
+    if err.code == "model_not_found" and any(m in text for m in _MODEL_GONE_MARKERS):
+        return Outcome.REFUSED  # no work done: the request moves on to a replica that has it
     return Outcome.OK
 
 
@@ -279,7 +285,7 @@ class ReplicaPool(Generic[C]):
             return
         if outcome is Outcome.REFUSED:
             replica.refusals += 1
-            if not any(m in reason.lower() for m in _REFUSAL_MARKERS):
+            if not any(m in reason.lower() for m in (*_REFUSAL_MARKERS, *_MODEL_GONE_MARKERS)):
                 return  # full, not broken: it stays in the pool
         if outcome is Outcome.DRAINING:
             if not replica.draining:

@@ -13,7 +13,7 @@ import pytest
 
 from openai_proxy.config import ProxyConfig, config_from_args
 from openai_proxy.converters import TritonEvent, TritonJob
-from openai_proxy.errors import InternalError, InvalidRequest, ServiceUnavailable
+from openai_proxy.errors import InternalError, InvalidRequest, ProxyError, ServiceUnavailable
 from openai_proxy.replicas import (
     Outcome,
     Replica,
@@ -100,6 +100,15 @@ def test_full_replica_is_not_ejected_but_unreachable_one_is() -> None:
     assert b.ejections == 1 and b.failures == 0 and pool.pick(MODEL) is a
 
 
+def test_a_replica_whose_model_left_is_out_until_probed_again() -> None:
+    """Triton's "unknown model ... has no available versions" from a replica listed READY:
+    out of the pool (no failure counted) until a probe finds the model ready again."""
+    pool = ready_pool(["a:1", "b:1"])
+    a, b = pool.replicas
+    pool.report(a, Outcome.REFUSED, "Request for unknown model: 'm' has no available versions")
+    assert a.refusals == 1 and a.failures == 0 and not a.usable(0) and pool.pick(MODEL) is b
+
+
 @pytest.mark.parametrize(
     ("err", "outcome"),
     [
@@ -112,6 +121,8 @@ def test_full_replica_is_not_ejected_but_unreachable_one_is() -> None:
         (InternalError("Triton error: boom", code="upstream_error"), Outcome.FAILED),
         (InvalidRequest("invalid request: steps: must be >= 1"), Outcome.OK),
         (InternalError("internal error: CUDA out of memory", code="model_error"), Outcome.OK),
+        # the model left a replica that listed it READY (unloading while draining, restarting)
+        (ProxyError("Request for unknown model: 'm' has no available versions", status_code=404, code="model_not_found"), Outcome.REFUSED),
     ],
 )  # fmt: skip
 def test_classify(err: Exception, outcome: Outcome) -> None:
