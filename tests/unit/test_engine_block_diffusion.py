@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from block_checks import assert_pages_back, check_alone_and_batched
 
 from dlm_engine import testing
 from dlm_engine.config import EngineConfig
@@ -54,26 +55,7 @@ _llada2_reference = _sdar_reference  # the dispatcher picks the family's loop
 
 def _check(engine: Engine, cases: list[dict], reference) -> None:
     prompts = [engine.encode_prompt(text=t) for t in PROMPTS]
-    pairs = [(p, c) for c in cases for p in prompts]
-    expected = [reference(engine, p, c) for p, c in pairs]
-    alone = [engine.generate([p], c)[0].token_ids for p, c in pairs]
-    forwards0 = engine.runner.forward_passes
-    steps0 = engine.total_forwards
-    batched = engine.generate([p for p, _ in pairs], [c for _, c in pairs])
-    assert alone == expected
-    assert [o.token_ids for o in batched] == expected
-    assert engine.runner.forward_passes - forwards0 == engine.total_forwards - steps0
-    _assert_pages_back(engine)
-    assert any(len(e) > 4 for e in expected), "the cases must decode past a block"
-
-
-def _assert_pages_back(engine: Engine) -> None:
-    """No row holds a page or a reservation: every page is free or idle (cached)."""
-    bp = engine.runner.block_pages
-    assert not bp.rows, "every finished request gave its pages back"
-    pool = bp.pool
-    assert pool.reserved == 0 and not any(pool.refs)
-    assert pool.available == pool.pages == len(pool.free) + len(pool.idle)
+    check_alone_and_batched(engine, [(p, c) for c in cases for p in prompts], reference, past=4)
 
 
 def test_sdar_engine_equals_reference_alone_and_batched(sdar: Engine) -> None:
@@ -106,7 +88,7 @@ def test_abort_frees_the_pages(sdar: Engine) -> None:
     sdar.abort(rid)
     outs = sdar.step()
     assert any(o.request_id == rid and o.finish_reason == "abort" for o in outs)
-    _assert_pages_back(sdar)
+    assert_pages_back(sdar)
 
 
 @pytest.mark.parametrize(
@@ -204,7 +186,7 @@ def test_same_prompt_shares_the_physical_pages(sdar: Engine) -> None:
     assert not set(a[whole:]) & set(b[whole:]), "pages past the shared prefix are the row's own"
     assert engine.runner.prefix_cache.hit_tokens == whole * page
     assert _finish(engine) == {first: expected, second: expected}
-    _assert_pages_back(engine)
+    assert_pages_back(engine)
     assert set(a[:whole]) <= set(bp.pool.idle), "the prompt pages stay cached, idle"
 
 
@@ -231,7 +213,7 @@ def test_pages_go_back_when_requests_finish_or_are_cancelled(
     assert cancelled not in engine.runner.block_pages.rows
     assert sum(1 for r in pool.refs if r) < held
     _finish(engine)
-    _assert_pages_back(engine)
+    assert_pages_back(engine)
     assert pool.available == start
     if not prefix_cache_tokens:
         assert len(pool.free) == start
@@ -259,7 +241,7 @@ def test_requests_wait_for_pages_and_finish_exact(sdar: Engine) -> None:
     assert most == 2
     assert [finals[r].finish_reason for r in rids] != ["error"] * 5
     assert [finals[r].token_ids for r in rids] == expected
-    _assert_pages_back(engine)
+    assert_pages_back(engine)
     too_long = engine.encode_prompt(text="y" * 70)
     with pytest.raises(InvalidRequestError, match="KV pages") as err:
         engine.add_request(None, too_long, case)
@@ -313,7 +295,7 @@ def test_partial_prefix_shares_exactly_its_whole_pages(sdar: Engine) -> None:
     seq = next(s for s in engine.scheduler.running if s.request_id == second)
     assert seq.forwards == 1
     assert _finish(engine) == {second: _sdar_reference(engine, b, case)}
-    _assert_pages_back(engine)
+    assert_pages_back(engine)
 
 
 def test_a_match_is_cut_to_whole_blocks_of_the_request(sdar: Engine) -> None:
@@ -364,7 +346,7 @@ def test_bucketed_shapes_give_the_same_tokens(sdar: Engine) -> None:
     pages = {s["block_pages"] for s in graphs.shapes}
     assert 4 in {s["block_q_index"][0] for s in graphs.shapes}  # 3 rows: bucket 4 (1 padded)
     assert all(p[1] * page % 64 == 0 for p in pages)  # keys: multiples of 64
-    _assert_pages_back(engine)
+    assert_pages_back(engine)
 
 
 JOINT_CASES = [

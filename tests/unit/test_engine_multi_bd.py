@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from block_checks import assert_pages_back, check_alone_and_batched
 
 from dlm_engine import SamplingParams, testing
 from dlm_engine.config import EngineConfig
@@ -73,24 +74,7 @@ _reference.widest = 0  # most blocks one reference forward sampled
 
 
 def _check(engine: Engine, pairs: list[tuple[list[int], dict]]) -> None:
-    expected = [_reference(engine, p, c) for p, c in pairs]
-    alone = [engine.generate([p], c)[0].token_ids for p, c in pairs]
-    forwards0, steps0 = engine.runner.forward_passes, engine.total_forwards
-    batched = engine.generate([p for p, _ in pairs], [c for _, c in pairs])
-    assert alone == expected
-    assert [o.token_ids for o in batched] == expected
-    assert engine.runner.forward_passes - forwards0 == engine.total_forwards - steps0
-    _assert_pages_back(engine)
-    assert any(len(e) > 8 for e in expected), "the cases must decode past a block"
-
-
-def _assert_pages_back(engine: Engine) -> None:
-    """No row holds a KV page or a reservation: every page is free or idle (cached)."""
-    bp = engine.runner.block_pages
-    assert not bp.rows, "every finished request gave its pages back"
-    pool = bp.pool
-    assert pool.reserved == 0 and not any(pool.refs)
-    assert pool.available == pool.pages == len(pool.free) + len(pool.idle)
+    check_alone_and_batched(engine, pairs, _reference, past=8)
 
 
 def _pairs(engine: Engine, cases: list[dict], prompts: list[str] = PROMPTS) -> list:
@@ -161,7 +145,7 @@ def test_cache_is_exact_at_every_step(sdar: Engine) -> None:
     assert max(widths) <= 3 * 4
     # after the prefill a step feeds its running set and completed blocks once more
     assert max(fed[1:]) <= 4 * 4 + 4
-    _assert_pages_back(sdar)
+    assert_pages_back(sdar)
 
 
 def test_running_set_respects_buffer_and_entry_rules(sdar: Engine) -> None:
@@ -186,7 +170,7 @@ def test_max_nfe_commits_the_running_set_and_ends(sdar: Engine) -> None:
             "add_block_threshold": 0.0, "max_nfe": 3}  # fmt: skip
     out = sdar.generate([prompt], case)[0]
     assert out.steps == 3 and out.finish_reason in ("length", "stop")
-    _assert_pages_back(sdar)
+    assert_pages_back(sdar)
 
 
 # ---- request keys ---------------------------------------------------------------------------
