@@ -302,7 +302,7 @@ class ModelRunner:
         if plan.joint is not None:  # token editing reads the window's decoded tokens
             extra["current"], extra["decoded"] = current, ~masked & valid
         if plan.mbd is not None:  # Diffulex forbids the mask: confidences renormalised
-            logits[plan.mbd, :, self.mask_id] = -torch.inf
+            logits[:, :, self.mask_id].index_fill_(0, plan.mbd, -torch.inf)  # no host wait
         x0, conf = propose(self.family, logits, rows, index, self.eos_id, self.mask_id, guard)
         if plan.simple:
             chosen = select_transfers(conf, masked, k, plan.threshold)

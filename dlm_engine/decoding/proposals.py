@@ -89,8 +89,8 @@ def propose(
     confidences still come from the unmodified distribution, as published. `logits` may be
     modified in place. With a `guard`, a row whose own code raises fails alone."""
     guard = guard or RowGuard(len(rows), logits.device)
-    if index.suppress is not None:
-        logits[index.suppress, :, eos_id] = -torch.inf
+    if index.suppress is not None:  # index_fill_: a scalar put by index would wait for the GPU
+        logits[:, :, eos_id].index_fill_(0, index.suppress, -torch.inf)
     if family == "llada":
         return _propose_llada(logits, rows, index, mask_id, guard)
     return _propose_dream(logits, rows, index, mask_id, guard)
