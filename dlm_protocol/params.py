@@ -402,7 +402,8 @@ PARAMS: tuple[Param, ...] = (
         "cache",
         STR,
         "`none` is exact; `prefix` / `dual` reuse keys and values across steps (Fast-dLLM), "
-        "approximate, the GPU fast path.",
+        "approximate, the GPU fast path. With `multi_block`, `prefix` is d3LLM's delayed "
+        "KV cache (`cache_delay_iter`); `dual` does not apply.",
         default="none",
         default_doc="`none`",
         choices=CACHE_MODES,
@@ -589,6 +590,28 @@ ACCELERATION_PARAMS: tuple[Param, ...] = (
         minimum=1,
         relations="only with `multi_block`",
         examples=(4, 0),
+    ),
+    Param(
+        "cache_delay_iter",
+        INT,
+        "multi_block with `cache: prefix` (d3LLM's delayed KV cache): a decoded block's keys "
+        "are cached once it has stayed decoded this many steps.",
+        default_doc="2 (d3LLM-LLaDA's published chat setting; its Dream coder eval uses 32)",
+        minimum=1,
+        relations="only with `multi_block` and `cache: prefix` (implies both when `cache` "
+        "and `multi_block` are not given)",
+        examples=(2, 0),
+    ),
+    Param(
+        "refresh_interval",
+        INT,
+        "multi_block with `cache: prefix`: also recompute the delayed cache with a full forward "
+        "every this many steps.",
+        default_doc="never (d3LLM's 10000)",
+        minimum=1,
+        relations="only with `multi_block` and `cache: prefix` (implies both when `cache` "
+        "and `multi_block` are not given)",
+        examples=(3, 0),
     ),
     Param(
         "force_single_batch",
