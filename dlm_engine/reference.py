@@ -488,7 +488,8 @@ def d3llm_multi_block_cached_generate(
 
     Positions outside the forwarded piece get entropy inf (they hold no mask). Dream shifts
     logits right by one within the forwarded piece (its first position keeps its own logits),
-    as upstream. `trace` receives each forward's kind: full, cache, span, refresh.
+    as upstream. `trace` receives each forward's kind: full, cache, span, refresh (a block is
+    stabilizing), periodic (`refresh_interval`).
 
     Upstream defect not copied: a refresh truncates the fresh keys to the start of the latest
     stabilizing block, not to cache_length. For LLaDA these are equal (its walk stops at the
@@ -585,7 +586,7 @@ def d3llm_multi_block_cached_generate(
                     ]
                 cache, cache_len = new, cache_len + update
         else:
-            kind = "full" if cache is None else "refresh"
+            kind = "full" if cache is None else "refresh" if stabilizing else "periodic"
             start = 0
             logits, fresh = cached_forward(model, x)
             if cache is not None:

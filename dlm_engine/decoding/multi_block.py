@@ -131,15 +131,16 @@ class DelayedCache:
         self.exists = False  # upstream's past_key_values is not None
         self.nfe = 0
         self.planned: tuple[str, int] | None = None
-        self.history: list[str] = []  # each step's kind: full, cache, span, refresh
+        self.history: list[str] = []  # each step's kind: full, cache, span, refresh, periodic
         # refreshes where upstream keeps keys past the cache's end (two blocks stabilizing
         # together, Dream only): its next caching step would append them a second time
         self.upstream_overlaps = 0
 
     def plan(self, blocks: list[Block]) -> tuple[str, int]:
         """The caching decisions at the top of a step (after activation and adding): returns
-        the step's kind and its query start (canvas-relative): `full` / `refresh` feed the
-        whole sequence (-prompt), `cache` / `span` the suffix from the cache's end (a first
+        the step's kind and its query start (canvas-relative): `full` (no cache yet) /
+        `refresh` (a block is stabilizing) / `periodic` (`refresh_interval`) feed the whole
+        sequence (-prompt), `cache` / `span` the suffix from the cache's end (a first
         `cache` with no cache yet feeds the whole sequence too)."""
         self.nfe += 1
         every = [self.prompt, *blocks]
@@ -169,8 +170,8 @@ class DelayedCache:
         elif self.exists and not stabilizing and not periodic:
             kind, start = "span", self.length
         else:
-            kind = "refresh" if self.exists else "full"
-            if self.exists and stabilizing:
+            kind = "full" if not self.exists else "refresh" if stabilizing else "periodic"
+            if kind == "refresh":
                 latest = max(
                     b.start
                     for b in every
