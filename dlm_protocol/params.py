@@ -407,7 +407,7 @@ PARAMS: tuple[Param, ...] = (
         default="none",
         default_doc="`none`",
         choices=CACHE_MODES,
-        relations="not with `cfg_scale`",
+        relations="not with `cfg_scale`; `dual` not with `multi_block`",
         examples=("none", "paged"),
     ),
     Param(
@@ -558,7 +558,8 @@ ACCELERATION_PARAMS: tuple[Param, ...] = (
         "d3LLM multi-block decoding: several blocks in flight at once, with a commit rule "
         "(`entropy_threshold` by default, or `threshold`, `factor`).",
         default_doc="`false` (`true` for d3LLM checkpoints)",
-        relations="not with `cache` or `cfg_scale`",
+        relations="not with `cache: dual` or `cfg_scale`; `cache: prefix` is d3LLM's delayed KV "
+        "cache",
         examples=(True, "yes"),
     ),
     Param(
