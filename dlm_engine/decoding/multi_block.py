@@ -10,10 +10,10 @@ rightmost block in flight; the first activated block that still holds masks must
 one commit. Mask counts come from the host copy of the canvas the engine already makes each
 step, so this adds no device synchronisation.
 
-With `cache: prefix`, `DelayedCache` adds d3LLM's delayed KV cache (`generate_multi_block_kv_
-cache` / `_sample_multi_block_kv_cache`, restated in `reference.d3llm_multi_block_cached_
-generate`): a decoded block's keys are cached once it has stayed decoded `cache_delay_iter`
-steps. Each step is one of: a full forward (no cache yet, or a refresh), a caching step or a
+With `cache: prefix`, `DelayedCache` adds d3LLM's delayed KV cache
+(`generate_multi_block_kv_cache` / `_sample_multi_block_kv_cache`, restated in
+`reference.d3llm_multi_block_cached_generate`): a decoded block's keys are cached once it has
+stayed decoded `cache_delay_iter` steps. Each step is one of: a full forward (no cache yet, or a refresh), a caching step or a
 span step (the suffix from the cache's end over the row's pool slot).
 """
 
