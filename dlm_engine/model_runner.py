@@ -67,8 +67,8 @@ class ModelRunner:
         self.length_multiple = 32 if self.graphs is not None else 1
         self.pool: KVPool | None = None
         self.slots: dict[str, int] = {}
-        self.refreshes = 0  # steps with a cached row at a block start
-        self.span_steps = 0  # steps with a cached row inside a block
+        self.refreshes = 0  # steps with a cached row feeding its whole sequence (`refreshing`)
+        self.span_steps = 0  # steps with a cached row feeding a span over its slot
         self.forward_passes = 0  # forwards through the model: one per step
         self.failed_rows: dict[int, str] = {}  # last step's rows that failed alone, and why
         # work done, for benchmarks: tokens through the layers, (query, key) pairs in
@@ -91,7 +91,8 @@ class ModelRunner:
 
     def _queries(self, seqs: list[Sequence]) -> list[RowQuery]:
         """Each forward row's query: the whole sequence (exact rows, cached rows at a block
-        start), or the span a cached row recomputes inside a block; then the unconditional
+        start), or the span a cached row recomputes inside a block (a delayed-cache
+        multi-block row: the suffix from its cache's end); then the unconditional
         rows of classifier-free guidance (prompt masked). Cached rows store their keys."""
         rows: list[RowQuery] = []
         for s in seqs:
@@ -104,8 +105,11 @@ class ModelRunner:
                 )
                 continue
             slot = self.slots[s.request_id] if s.params.cache != "none" else None
-            if s.params.cache == "none" or s.step_in_block == 0:
+            if s.params.cache == "none" or s.refreshing:
                 rows.append(RowQuery(s.tokens, 0, s.length, s.window_start, slot))
+            elif s.multi is not None:  # d3LLM's delayed cache: the suffix from the cache's end
+                start = s.prompt_len + s.multi.cache_step()[1]
+                rows.append(RowQuery(s.tokens[start:], start, s.length, s.window_start, slot))
             else:
                 start = s.window_start - self.shift
                 end = s.window_start + s.window_width if s.params.cache == "dual" else s.length
@@ -126,8 +130,8 @@ class ModelRunner:
         fast = [s for s in seqs if s.params.cache != "none" and s.layout is None]  # Fast-dLLM
         if fast:
             self._ensure_slots(fast)
-            self.refreshes += any(s.step_in_block == 0 for s in fast)
-            self.span_steps += any(s.step_in_block > 0 for s in fast)
+            self.refreshes += any(s.refreshing for s in fast)
+            self.span_steps += any(not s.refreshing for s in fast)
         pool = self.pool if fast else None
         blocks = [s for s in seqs if s.layout is not None]
         for s in blocks:  # pages up to the active block's end, from the row's reservation

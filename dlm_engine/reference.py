@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .models.common import ForwardBatch
+from .models.common import ForwardBatch, attention
 
 Logits = Callable[[torch.Tensor], torch.Tensor]
 
@@ -408,6 +408,221 @@ def d3llm_multi_block_generate(
             best = first["start"] + int(ent_block[0].argmin())
             transfer[0, best] = True
             x0[0, best] = torch.argmax(logits[0, best])
+        x[transfer] = x0[transfer]
+        for bid in sorted(blocks):
+            b = blocks[bid]
+            if bid > 0 and b["masks"] > 0:
+                b["masks"] -= int(transfer[:, b["start"] : b["end"]].sum())
+    return x
+
+
+class _ExplicitKV:
+    """Attention context of `cached_forward`: each layer attends bidirectionally over its past
+    keys/values followed by the fresh ones, and keeps the fresh ones for the caller."""
+
+    def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        self.past = past
+        self.fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def attend(self, layer: int, q, k, v, key_mask=None) -> torch.Tensor:
+        self.fresh.append((k, v))
+        if self.past is not None:
+            pk, pv = self.past[layer]
+            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+        return attention(q, k, v, None)
+
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv heads, S, D]
+
+
+def cached_forward(
+    model: torch.nn.Module, tokens: torch.Tensor, pos0: int = 0, past: KV | None = None
+) -> tuple[torch.Tensor, KV]:
+    """One of our LLaDA/Dream-layout models on `tokens` [1, T] at absolute positions
+    pos0..pos0+T-1, attending over `past` (keys/values of positions [0, pos0), as an HF
+    `past_key_values`) and the fresh tokens. Returns the logits [1, T, V] (unshifted) and each
+    layer's fresh keys/values. Independent of the engine's pool and packed forward."""
+    assert past is not None or pos0 == 0, "positions before pos0 need their keys"
+    pos = torch.arange(pos0, pos0 + tokens.shape[1], device=tokens.device)[None]
+    ctx = _ExplicitKV(past)
+    logits = model(ForwardBatch(tokens, pos, None, None, ctx))
+    return logits, ctx.fresh
+
+
+@torch.no_grad()
+def d3llm_multi_block_cached_generate(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    *,
+    family: str,
+    mask_id: int,
+    gen_length: int,
+    block_size: int,
+    threshold: float,
+    block_add_threshold: float,
+    decoded_token_threshold: float,
+    cache_delay_iter: int,
+    refresh_interval: int | None = None,
+    trace: list[str] | None = None,
+) -> torch.Tensor:
+    """hao-ai-lab/d3LLM `generate_multi_block_kv_cache` (LLaDA) / `_sample_multi_block_kv_cache`
+    (Dream, which `generate_multi_block` runs when cache_delay_iter < 10000): the multi-block
+    loop of `d3llm_multi_block_generate` with a delayed prefix KV cache. T = 0, batch 1, no
+    early stop; `refresh_interval` None means never (upstream's 10000).
+
+    Blocks, activation, adding and the commit rule are the no-cache loop's. The prompt is
+    block 0, complete "at nfe 0", not cached. Each iteration (nfe counted first), after
+    activation and adding, the blocks ending past the cache are walked in order up to the first
+    one holding masks: a decoded block gets its completion nfe (once); one whose delay (nfe -
+    completion) reaches `cache_delay_iter` is marked cached; LLaDA also stops the walk at a
+    block still within its delay (Dream walks on). The cache grows to the end of the last block
+    marked. Stabilizing blocks: decoded, stamped, not cached. The forward:
+
+    * cache grows: x[cache_length:] at its absolute positions over the cache (no cache yet: the
+      whole x), bidirectional over [cache; fresh]; the first `update` fresh keys are appended;
+    * a cache, no stabilizing block, nfe not a multiple of `refresh_interval`: x[cache_length:]
+      over the cache, which is left unchanged;
+    * a cache otherwise (a refresh): the whole x without cache; its logits are used and the
+      cache becomes its keys of [0, cache_length);
+    * no cache: the whole x.
+
+    Positions outside the forwarded piece get entropy inf (they hold no mask). Dream shifts
+    logits right by one within the forwarded piece (its first position keeps its own logits),
+    as upstream. `trace` receives each forward's kind: full, cache, span, refresh (a block is
+    stabilizing), periodic (`refresh_interval`).
+
+    Upstream defect not copied: a refresh truncates the fresh keys to the start of the latest
+    stabilizing block, not to cache_length. For LLaDA these are equal (its walk stops at the
+    first stabilizing block, so only one can exist and it starts at the cache's end). Dream's
+    walk does not stop, so when two blocks stabilize together the refreshed cache already
+    holds the first one's keys, and the next caching step appends them again: attention sees
+    those positions twice. Here the cache always holds exactly positions [0, cache_length)."""
+    x = F.pad(prompt, (0, gen_length), value=mask_id)
+    p_len = prompt.shape[1]
+    num_blocks = gen_length // block_size
+    blocks = {0: dict(start=0, end=p_len, masks=0, total=p_len, active=True, done_at=0)}
+    blocks[1] = dict(
+        start=p_len,
+        end=p_len + block_size,
+        masks=block_size,
+        total=block_size,
+        active=decoded_token_threshold <= 1.0,
+        done_at=None,
+    )
+    for b in blocks.values():
+        b["cached"] = False
+    next_id = 2
+    cache: KV | None = None  # keys/values of positions [0, cache_len)
+    cache_len = 0
+    nfe = 0
+
+    def progress(b: dict) -> float:
+        return 1 - b["masks"] / b["total"]
+
+    while True:
+        mask_index = x == mask_id
+        if not mask_index[:, p_len:].any() and next_id > num_blocks:
+            break
+        nfe += 1
+        for bid in sorted(blocks):
+            prev_done = bid > 0 and progress(blocks[bid - 1]) >= decoded_token_threshold
+            if prev_done and not blocks[bid]["active"]:
+                blocks[bid]["active"] = True
+        if next_id <= num_blocks:
+            last = blocks[max(blocks)]
+            if progress(last) >= block_add_threshold or last["masks"] == 0:
+                start = p_len + (next_id - 1) * block_size
+                blocks[next_id] = dict(
+                    start=start,
+                    end=start + block_size,
+                    masks=int((x[:, start : start + block_size] == mask_id).sum()),
+                    total=block_size,
+                    active=progress(blocks[next_id - 1]) >= decoded_token_threshold,
+                    done_at=None,
+                    cached=False,
+                )
+                next_id += 1
+        rightmost = 0
+        for bid in sorted(blocks):
+            if blocks[bid]["active"] or blocks[bid]["masks"] > 0:
+                rightmost = bid
+        if rightmost == 0:
+            break
+        active_end = blocks[rightmost]["end"]
+        # the delayed cache: which decoded blocks have waited long enough
+        cache_to = None
+        for bid in sorted(blocks):
+            b = blocks[bid]
+            if b["end"] <= cache_len:
+                continue
+            if b["masks"] > 0:
+                break
+            if b["done_at"] is None:
+                b["done_at"] = nfe
+            delay = nfe - b["done_at"]
+            if delay >= cache_delay_iter and not b["cached"]:
+                b["cached"] = True
+                cache_to = b["end"]
+            elif delay < cache_delay_iter and family != "dream":
+                break
+        update = 0 if cache_to is None else cache_to - cache_len
+        stabilizing = any(
+            b["masks"] == 0 and b["done_at"] is not None and not b["cached"]
+            for b in blocks.values()
+        )
+        periodic = refresh_interval is not None and nfe % refresh_interval == 0
+        # (upstream also stops when nothing from the cache's end on needs forwarding: a block
+        # holding masks always starts at or after the cache's end, so that never happens)
+        if update > 0 or (cache is not None and not stabilizing and not periodic):
+            kind = "cache" if update > 0 else "span"
+            start = cache_len
+            logits, fresh = cached_forward(model, x[:, start:], start, cache)
+            if update > 0:
+                new = [(k[:, :, :update], v[:, :, :update]) for k, v in fresh]
+                if cache is not None:
+                    new = [
+                        (torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2))
+                        for (pk, pv), (k, v) in zip(cache, new, strict=True)
+                    ]
+                cache, cache_len = new, cache_len + update
+        else:
+            kind = "full" if cache is None else "refresh" if stabilizing else "periodic"
+            start = 0
+            logits, fresh = cached_forward(model, x)
+            if cache is not None:
+                cache = [(k[:, :, :cache_len], v[:, :, :cache_len]) for k, v in fresh]
+        if trace is not None:
+            trace.append(kind)
+        if family == "dream":
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        full = logits.new_zeros((1, x.shape[1], logits.shape[-1]))
+        full[:, start:] = logits
+        entropy = _entropy(full, torch.float64, 1e-12)
+        entropy[:, :start] = torch.inf
+        decode = mask_index.clone()
+        decode[:, active_end:] = False
+        x0 = torch.where(decode, torch.argmax(full, dim=-1), x)
+        if family == "dream":
+            transfer = (entropy < threshold) & decode
+        else:
+            ent_sel = torch.where(decode, entropy, torch.inf)
+            k = int(decode[0].sum())
+            vals, idx = torch.topk(ent_sel[0], k=k, largest=False)
+            transfer = torch.zeros_like(x, dtype=torch.bool)
+            transfer[0, idx] = True
+            for i in range(1, k):
+                if vals[i] > threshold:
+                    transfer[0, idx[i]] = False
+        first = next(
+            (b for bid, b in sorted(blocks.items()) if bid > 0 and b["active"] and b["masks"] > 0),
+            None,
+        )
+        if first is not None and not transfer[:, first["start"] : first["end"]].any():
+            lo, hi = first["start"], first["end"]
+            ent_block = torch.where(decode[:, lo:hi], entropy[:, lo:hi], torch.inf)
+            best = lo + int(ent_block[0].argmin())
+            transfer[0, best] = True
+            x0[0, best] = torch.argmax(full[0, best])
         x[transfer] = x0[transfer]
         for bid in sorted(blocks):
             b = blocks[bid]

@@ -243,7 +243,7 @@ def resolve(
         threshold=threshold,
         alg_temp=numerically_safe(p.alg_temp) or None,
         cfg_scale=p.cfg_scale,
-        cache=p.cache,
+        cache=resolve_cache(p),
         **_shared_fields(p),  # tools and structure checked before the accelerations, as before
         accel=resolve_acceleration(p, family=family, algorithm=algorithm, threshold=threshold),
     )
@@ -306,6 +306,10 @@ DEFAULT_LEAP_RADIUS = 4  # dlmserve SamplingParams: W
 MAX_LEAP_RADIUS = 16  # dlmserve's request range [1, 16]
 DEFAULT_BLOCK_ADD_THRESHOLD = 0.1  # d3LLM eval scripts and SGLang FullAttnMultiBlock
 DEFAULT_DECODED_TOKEN_THRESHOLD = 0.95  # idem
+# d3LLM's delayed KV cache (multi_block with cache prefix): d3LLM-LLaDA's published chat
+# setting (chat/chat_d3llm_llada.py: cache_delay_iter=2; its Dream coder eval uses 32);
+# refresh_interval upstream defaults to 10000, i.e. never (None here)
+DEFAULT_CACHE_DELAY_ITER = 2
 MULTI_BLOCK_RULES = ("entropy_threshold", "threshold", "factor")
 LLADA_ONLY = {"local_leap": "dlmserve", "factor": "Fast-dLLM"}
 
@@ -335,6 +339,8 @@ class Acceleration:
     block_add_threshold: float = DEFAULT_BLOCK_ADD_THRESHOLD
     decoded_token_threshold: float = DEFAULT_DECODED_TOKEN_THRESHOLD
     max_active_blocks: int | None = None  # None: as many as the thresholds add (d3LLM)
+    cache_delay_iter: int = DEFAULT_CACHE_DELAY_ITER  # multi_block with cache prefix only
+    refresh_interval: int | None = None  # None: never
 
 
 def apply_model_defaults(p: SamplingParams, defaults: dict[str, Any] | None) -> SamplingParams:
@@ -353,6 +359,8 @@ def apply_model_defaults(p: SamplingParams, defaults: dict[str, Any] | None) -> 
 
 
 _MB_KEYS = ("block_add_threshold", "decoded_token_threshold", "max_active_blocks")
+# d3LLM's delayed KV cache: they imply multi_block, and cache prefix unless `cache` is given
+_MB_CACHE_KEYS = ("cache_delay_iter", "refresh_interval")
 
 
 def wants_blocks(p: SamplingParams) -> bool:
@@ -387,7 +395,14 @@ def wants_multi_block(p: SamplingParams) -> bool:
     """`multi_block: true`, or one of its own keys given without `multi_block: false`."""
     if p.multi_block is not None:
         return bool(p.multi_block)
-    return any(getattr(p, k) is not None for k in _MB_KEYS)
+    return any(getattr(p, k) is not None for k in _MB_KEYS + _MB_CACHE_KEYS)
+
+
+def resolve_cache(p: SamplingParams) -> str:
+    """The request's cache mode: as given; a delayed-cache key without `cache` means prefix."""
+    if "cache" not in p.given and any(getattr(p, k) is not None for k in _MB_CACHE_KEYS):
+        return "prefix"
+    return p.cache
 
 
 def _unit(name: str, value: float | None, *, zero_ok: bool = False) -> None:
@@ -421,8 +436,9 @@ def resolve_acceleration(
     if p.leap_radius is not None and not 1 <= p.leap_radius <= MAX_LEAP_RADIUS:
         raise InvalidRequestError("leap_radius", f"must be in [1, {MAX_LEAP_RADIUS}]")
     multi = wants_multi_block(p)
+    cache = resolve_cache(p)
     if not multi:
-        for key in _MB_KEYS:
+        for key in _MB_KEYS + _MB_CACHE_KEYS:
             if getattr(p, key) is not None:
                 raise InvalidRequestError(key, "applies to multi_block decoding only (not false)")
     else:
@@ -432,10 +448,16 @@ def resolve_acceleration(
                 f"multi_block needs a commit rule without a step schedule: "
                 f"{', '.join(MULTI_BLOCK_RULES)}",
             )
-        if p.cache != "none":
+        if cache == "dual":
             raise InvalidRequestError(
-                "cache", "multi_block runs d3LLM's no-cache loop; use cache none"
+                "cache",
+                "multi_block has d3LLM's delayed prefix cache only (cache prefix) or none; "
+                "d3LLM publishes no dual-cache variant",
             )
+        if cache != "prefix":
+            for key in _MB_CACHE_KEYS:
+                if getattr(p, key) is not None:
+                    raise InvalidRequestError(key, "applies to multi_block with cache prefix only")
         if p.cfg_scale > 0:
             raise InvalidRequestError("multi_block", "cannot be combined with cfg_scale")
         _unit("block_add_threshold", p.block_add_threshold, zero_ok=True)
@@ -457,6 +479,8 @@ def resolve_acceleration(
         block_add_threshold=pick(p.block_add_threshold, DEFAULT_BLOCK_ADD_THRESHOLD),
         decoded_token_threshold=pick(p.decoded_token_threshold, DEFAULT_DECODED_TOKEN_THRESHOLD),
         max_active_blocks=p.max_active_blocks,
+        cache_delay_iter=pick(p.cache_delay_iter, DEFAULT_CACHE_DELAY_ITER),
+        refresh_interval=p.refresh_interval,
     )
 
 
@@ -483,6 +507,8 @@ _NOT_FOR_BLOCKS = {
     "anchor_threshold": lambda p: p.anchor_threshold is not None,
     "neighbor_threshold": lambda p: p.neighbor_threshold is not None,
     "leap_radius": lambda p: p.leap_radius is not None,
+    "cache_delay_iter": lambda p: p.cache_delay_iter is not None,
+    "refresh_interval": lambda p: p.refresh_interval is not None,
 }
 
 

@@ -77,13 +77,14 @@ class Scheduler:
             tokens += seq.step_tokens * seq.rows
 
     def _cached_rows_in_phase(self) -> bool:
-        """True when a cached row joining now would refresh together with the running ones."""
-        cached = [s for s in self.running if s.params.cache != "none"]
+        """True when a cached row joining now would refresh together with the running ones.
+        Fast-dLLM rows only: a multi-block row's cache follows its own blocks (no block start)."""
+        cached = [s for s in self.running if s.params.cache != "none" and s.multi is None]
         return not cached or any(s.step_in_block == 0 for s in cached)
 
     def _hold(self, seq: Sequence) -> bool:
         """Hold a cached row back one more step, unless it has waited long enough."""
-        if seq.params.cache == "none" or self.phase_wait_steps <= 0:
+        if seq.params.cache == "none" or seq.multi is not None or self.phase_wait_steps <= 0:
             return False
         held = self._held.get(seq.request_id, 0)
         if held >= self.phase_wait_steps:

@@ -10,7 +10,7 @@ import torch
 from .block_diffusion import BlockLayout
 from .decoding import DreamSchedule, llada_block_schedule
 from .decoding.multi_bd import MultiBDState
-from .decoding.multi_block import MultiBlockState
+from .decoding.multi_block import DelayedCache, MultiBlockState
 from .sampling_params import ResolvedParams
 
 if TYPE_CHECKING:
@@ -82,7 +82,19 @@ class Sequence:
         self._llada_schedule = llada_block_schedule(params.block_length, params.steps_per_block)
         self._dream_schedule = DreamSchedule(params.steps_per_block)
         self.multi = (  # d3LLM multi-block decoding: several blocks in flight (issue 15)
-            MultiBlockState(params.max_tokens, params.block_length, params.accel)
+            MultiBlockState(
+                params.max_tokens,
+                params.block_length,
+                params.accel,
+                cache=DelayedCache(
+                    self.prompt_len,
+                    params.accel.cache_delay_iter,
+                    params.accel.refresh_interval,
+                    walk_stops=family != "dream",  # d3LLM's LLaDA loop breaks, Dream's not
+                )
+                if params.cache == "prefix"
+                else None,
+            )
             if params.accel.multi_block
             else None
         )
@@ -131,6 +143,15 @@ class Sequence:
     def block_end(self) -> int:
         """Block rows: absolute end of the active block (the end of this step's query)."""
         return self.window_start + self.window_width
+
+    @property
+    def refreshing(self) -> bool:
+        """A cached row (not block diffusion) feeding its whole sequence this step, storing
+        all its keys in its slot: Fast-dLLM at a block start; a delayed-cache multi-block row
+        before it has a cache, at a refresh, or at its first caching step."""
+        if self.multi is not None and self.multi.cache is not None:
+            return self.multi.cache_step()[1] == -self.prompt_len
+        return self.step_in_block == 0
 
     @property
     def step_tokens(self) -> int:

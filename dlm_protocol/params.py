@@ -402,11 +402,12 @@ PARAMS: tuple[Param, ...] = (
         "cache",
         STR,
         "`none` is exact; `prefix` / `dual` reuse keys and values across steps (Fast-dLLM), "
-        "approximate, the GPU fast path.",
+        "approximate, the GPU fast path. With `multi_block`, `prefix` is d3LLM's delayed "
+        "KV cache (`cache_delay_iter`); `dual` does not apply.",
         default="none",
         default_doc="`none`",
         choices=CACHE_MODES,
-        relations="not with `cfg_scale`",
+        relations="not with `cfg_scale`; `dual` not with `multi_block`",
         examples=("none", "paged"),
     ),
     Param(
@@ -557,7 +558,8 @@ ACCELERATION_PARAMS: tuple[Param, ...] = (
         "d3LLM multi-block decoding: several blocks in flight at once, with a commit rule "
         "(`entropy_threshold` by default, or `threshold`, `factor`).",
         default_doc="`false` (`true` for d3LLM checkpoints)",
-        relations="not with `cache` or `cfg_scale`",
+        relations="not with `cache: dual` or `cfg_scale`; `cache: prefix` is d3LLM's delayed KV "
+        "cache",
         examples=(True, "yes"),
     ),
     Param(
@@ -589,6 +591,28 @@ ACCELERATION_PARAMS: tuple[Param, ...] = (
         minimum=1,
         relations="only with `multi_block`",
         examples=(4, 0),
+    ),
+    Param(
+        "cache_delay_iter",
+        INT,
+        "multi_block with `cache: prefix` (d3LLM's delayed KV cache): a decoded block's keys "
+        "are cached once it has stayed decoded this many steps.",
+        default_doc="2 (d3LLM-LLaDA's published chat setting; its Dream coder eval uses 32)",
+        minimum=1,
+        relations="only with `multi_block` and `cache: prefix` (implies both when `cache` "
+        "and `multi_block` are not given)",
+        examples=(2, 0),
+    ),
+    Param(
+        "refresh_interval",
+        INT,
+        "multi_block with `cache: prefix`: also recompute the delayed cache with a full forward "
+        "every this many steps.",
+        default_doc="never (d3LLM's 10000)",
+        minimum=1,
+        relations="only with `multi_block` and `cache: prefix` (implies both when `cache` "
+        "and `multi_block` are not given)",
+        examples=(3, 0),
     ),
     Param(
         "force_single_batch",

@@ -9,6 +9,12 @@ whose predecessor has decoded at least `decoded_token_threshold` of its tokens b
 rightmost block in flight; the first activated block that still holds masks must get at least
 one commit. Mask counts come from the host copy of the canvas the engine already makes each
 step, so this adds no device synchronisation.
+
+With `cache: prefix`, `DelayedCache` adds d3LLM's delayed KV cache
+(`generate_multi_block_kv_cache` / `_sample_multi_block_kv_cache`, restated in
+`reference.d3llm_multi_block_cached_generate`): a decoded block's keys are cached once it has
+stayed decoded `cache_delay_iter` steps. Each step is one of: a full forward (no cache yet, or a refresh), a caching step or a
+span step (the suffix from the cache's end over the row's pool slot).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ class Block:
     end: int
     masks: int
     active: bool
+    completed_at: int | None = None  # delayed cache: the step that first saw it decoded
+    cached: bool = False
 
     @property
     def progress(self) -> float:
@@ -33,7 +41,15 @@ class Block:
 class MultiBlockState:
     """The blocks of one request that have been added so far (d3LLM's `block_states`)."""
 
-    def __init__(self, canvas_len: int, block: int, accel: Acceleration) -> None:
+    def __init__(
+        self,
+        canvas_len: int,
+        block: int,
+        accel: Acceleration,
+        *,
+        cache: DelayedCache | None = None,
+    ) -> None:
+        self.cache = cache
         self.block = block
         self.num_blocks = canvas_len // block
         self.add_at = accel.block_add_threshold
@@ -80,7 +96,87 @@ class MultiBlockState:
         for b in self.blocks:
             b.masks = sum(1 for t in canvas[b.start : b.end] if t == mask_id)
         self.prepare()
+        if self.cache is not None:
+            self.cache.planned = None
+
+    def cache_step(self) -> tuple[str, int]:
+        """Delayed cache: this step's kind and the canvas-relative start of its query (see
+        `DelayedCache.plan`); decided once per step, when the step runs."""
+        c = self.cache
+        if c.planned is None:
+            c.planned = c.plan(self.blocks)
+        return c.planned
 
     @property
     def in_flight(self) -> int:
         return sum(1 for b in self.blocks if b.masks > 0)
+
+
+class DelayedCache:
+    """d3LLM's delayed KV cache of one multi-block row (`cache: prefix`).
+
+    The pool slot holds the keys of canvas-relative positions [-prompt, `length`) that the
+    next span step reads; every full forward stores all keys, a span step its query's, so
+    the slot's prefix is always the one upstream's cache holds (and never duplicated: see
+    `reference.d3llm_multi_block_cached_generate` for the upstream defect not copied)."""
+
+    def __init__(
+        self, prompt_len: int, delay: int, refresh_interval: int | None, *, walk_stops: bool
+    ) -> None:
+        self.delay = delay
+        self.refresh_interval = refresh_interval
+        self.walk_stops = walk_stops  # LLaDA: a block within its delay ends the walk; Dream no
+        self.prompt = Block(-prompt_len, 0, 0, True, completed_at=0)  # block 0
+        self.length = -prompt_len  # canvas-relative end of the cached keys
+        self.exists = False  # upstream's past_key_values is not None
+        self.nfe = 0
+        self.planned: tuple[str, int] | None = None
+        self.history: list[str] = []  # each step's kind: full, cache, span, refresh, periodic
+        # refreshes where upstream keeps keys past the cache's end (two blocks stabilizing
+        # together, Dream only): its next caching step would append them a second time
+        self.upstream_overlaps = 0
+
+    def plan(self, blocks: list[Block]) -> tuple[str, int]:
+        """The caching decisions at the top of a step (after activation and adding): returns
+        the step's kind and its query start (canvas-relative): `full` (no cache yet) /
+        `refresh` (a block is stabilizing) / `periodic` (`refresh_interval`) feed the whole
+        sequence (-prompt), `cache` / `span` the suffix from the cache's end (a first
+        `cache` with no cache yet feeds the whole sequence too)."""
+        self.nfe += 1
+        every = [self.prompt, *blocks]
+        cache_to = None
+        for b in every:
+            if b.end <= self.length:
+                continue
+            if b.masks > 0:
+                break
+            if b.completed_at is None:
+                b.completed_at = self.nfe
+            waited = self.nfe - b.completed_at
+            if waited >= self.delay and not b.cached:
+                b.cached = True
+                cache_to = b.end
+            elif waited < self.delay and self.walk_stops:
+                break
+        stabilizing = any(
+            b.masks == 0 and b.completed_at is not None and not b.cached for b in every
+        )
+        periodic = self.refresh_interval is not None and self.nfe % self.refresh_interval == 0
+        start = self.prompt.start
+        if cache_to is not None:
+            kind = "cache"
+            start = self.length if self.exists else start
+            self.length, self.exists = cache_to, True
+        elif self.exists and not stabilizing and not periodic:
+            kind, start = "span", self.length
+        else:
+            kind = "full" if not self.exists else "refresh" if stabilizing else "periodic"
+            if kind == "refresh":
+                latest = max(
+                    b.start
+                    for b in every
+                    if b.masks == 0 and b.completed_at is not None and not b.cached
+                )
+                self.upstream_overlaps += latest > self.length
+        self.history.append(kind)
+        return kind, start
