@@ -37,6 +37,12 @@ ALGORITHMS: dict[str, dict] = {
     "multi_block (1 block)": dict(multi_block=True, threshold=0.5),
 }
 LLADA_ONLY = {"factor", "local_leap"}
+# cached steps at equal query length (the suffix from the prompt's end): Fast-dLLM's prefix
+# cache inside a block against d3LLM's delayed cache on a span step (issue 15, point 3)
+CACHED: dict[str, dict] = {
+    "low_confidence, prefix cache, in-block": dict(steps=CANVAS, cache="prefix"),
+    "multi_block, prefix cache, span step": dict(multi_block=True, threshold=0.5, cache="prefix"),
+}
 
 
 def _sync(dev: torch.device) -> None:
@@ -44,7 +50,9 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _rows(engine: Engine, prompts: list[list[int]], params: dict, blocks: int = 0) -> list:
+def _rows(
+    engine: Engine, prompts: list[list[int]], params: dict, blocks: int = 0, span: bool = False
+) -> list:
     resolved = engine.resolve_params(dict(params, max_tokens=CANVAS, block_length=BLOCK))
     seqs = []
     for i, p in enumerate(prompts):
@@ -58,6 +66,11 @@ def _rows(engine: Engine, prompts: list[list[int]], params: dict, blocks: int = 
         )
         if blocks and s.multi is not None:  # `blocks` blocks in flight, all still masked
             s.multi.blocks = [Block(b * BLOCK, (b + 1) * BLOCK, BLOCK, True) for b in range(blocks)]
+        if span and s.multi is not None:  # the prompt's keys cached: a span from its end
+            c = s.multi.cache
+            c.prompt.cached, c.exists, c.length, c.planned = True, True, 0, ("span", 0)
+        elif span:  # Fast-dLLM: a step inside the block reads the cache
+            s.step_in_block = 1
         seqs.append(s)
     return seqs
 
@@ -101,6 +114,13 @@ def run(engine: Engine, model: str, batches: list[int], iters: int, out: Path) -
             rows.append(dict(model=model, kind="per_forward", algorithm=name, batch=batch, ms=ms,
                              ratio=ms / base))  # fmt: skip
             print(f"{name:<24}{batch:>6}{ms:>10.2f}{ms / base:>12.3f}", flush=True)
+        base = None
+        for name, params in CACHED.items():
+            ms = time_step(engine, _rows(engine, prompts, params, span=True), iters)
+            base = base or ms
+            rows.append(dict(model=model, kind="per_forward_cached", algorithm=name, batch=batch,
+                             ms=ms, ratio=ms / base))  # fmt: skip
+            print(f"{name:<40}{batch:>6}{ms:>10.2f}{ms / base:>12.3f}", flush=True)
     print(f"\n== {model}: multi-block step time vs blocks in flight (block {BLOCK})")
     print(f"{'blocks':>6}{'batch':>6}{'ms/step':>10}{'vs 1 block':>12}{'low_conf same width':>21}")
     for batch in batches:

@@ -41,32 +41,29 @@ def cases(family: str) -> list[tuple[str, dict, object, dict]]:
             dict(family=family, gen_length=48, block_size=8, threshold=2.5, **MB),
         ),
     ]
-    cached = getattr(reference, "d3llm_multi_block_cached_generate", None)
-    if cached is not None:
-        for delay in (1, 2):
-            out.append(
-                (
-                    f"multi_block + prefix cache, delay {delay}",
-                    dict(
-                        max_tokens=48,
-                        block_length=8,
-                        multi_block=True,
-                        threshold=2.5,
-                        cache="prefix",
-                        cache_delay_iter=delay,
-                    ),  # fmt: skip
-                    cached,
-                    dict(
-                        family=family,
-                        gen_length=48,
-                        block_size=8,
-                        threshold=2.5,
-                        cache_delay_iter=delay,
-                        refresh_interval=None,
-                        **MB,
-                    ),  # fmt: skip
-                )
+    for delay in (1, 2):  # d3LLM's delayed KV cache: full, cache, span and refresh steps
+        out.append(
+            (
+                f"multi_block + prefix cache, delay {delay}",
+                dict(
+                    max_tokens=48,
+                    block_length=8,
+                    multi_block=True,
+                    threshold=2.5,
+                    cache="prefix",
+                    cache_delay_iter=delay,
+                ),  # fmt: skip
+                reference.d3llm_multi_block_cached_generate,
+                dict(
+                    family=family,
+                    gen_length=48,
+                    block_size=8,
+                    threshold=2.5,
+                    cache_delay_iter=delay,
+                    **MB,
+                ),  # fmt: skip
             )
+        )
     if family == "llada":
         out += [
             (
@@ -108,8 +105,9 @@ def until_stop(engine: Engine, ids: list[int]) -> list[int]:
 
 def expected(engine: Engine, fn, prompt: list[int], kw: dict) -> list[int]:
     lm = engine.loaded
-    x = fn(reference.full_logits(lm.model), torch.tensor([prompt], device=lm.device),
-           mask_id=lm.mask_id, **kw)  # fmt: skip
+    cached = fn is reference.d3llm_multi_block_cached_generate
+    model = lm.model if cached else reference.full_logits(lm.model)  # it runs its own KV cache
+    x = fn(model, torch.tensor([prompt], device=lm.device), mask_id=lm.mask_id, **kw)
     return until_stop(engine, x[0, len(prompt) :].tolist())
 
 
