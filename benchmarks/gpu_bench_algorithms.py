@@ -75,24 +75,44 @@ def _rows(
     return seqs
 
 
-def time_step(engine: Engine, seqs: list, iters: int) -> float:
-    """Median ms of `runner.step` with the canvas restored before each step."""
-    dev = engine.loaded.device
-    saved = [s.tokens.clone() for s in seqs]
+class StepTimer:
+    """Times `runner.step` over fixed rows, the canvas restored before each step so every
+    timed step sees the same masks and query."""
 
-    def one() -> float:
-        for s, t in zip(seqs, saved, strict=True):
+    def __init__(self, engine: Engine, seqs: list) -> None:
+        self.engine, self.seqs = engine, seqs
+        self.saved = [s.tokens.clone() for s in seqs]
+        self.times: list[float] = []
+        for _ in range(3):  # graph capture and warm-up
+            self.one()
+        self.times.clear()
+
+    def one(self) -> None:
+        dev = self.engine.loaded.device
+        for s, t in zip(self.seqs, self.saved, strict=True):
             s.tokens.copy_(t)
         _sync(dev)
         t0 = time.perf_counter()
-        engine.runner.step(seqs)
+        self.engine.runner.step(self.seqs)
         _sync(dev)
-        return time.perf_counter() - t0
+        self.times.append(time.perf_counter() - t0)
 
-    for _ in range(3):  # graph capture and warm-up
-        one()
-    times = sorted(one() for _ in range(iters))
-    return times[len(times) // 2] * 1e3
+    @property
+    def median_ms(self) -> float:
+        t = sorted(self.times)
+        return t[len(t) // 2] * 1e3
+
+
+def time_interleaved(timers: list[StepTimer], iters: int, rounds: int = 5) -> list[float]:
+    """Median ms per step of each timer, measured in `rounds` alternating rounds so that a
+    drift of the machine (clocks, other tenants) falls on every setting alike: at a few
+    percent, ratios of back-to-back medians were within noise of the <= 5% goal."""
+    per_round = max(1, iters // rounds)
+    for _ in range(rounds):
+        for t in timers:
+            for _ in range(per_round):
+                t.one()
+    return [t.median_ms for t in timers]
 
 
 def run(engine: Engine, model: str, batches: list[int], iters: int, out: Path) -> list[dict]:
@@ -105,22 +125,18 @@ def run(engine: Engine, model: str, batches: list[int], iters: int, out: Path) -
     print(f"{'algorithm':<24}{'batch':>6}{'ms/step':>10}{'vs low_conf':>12}")
     for batch in batches:
         prompts = prompts_all[:batch].tolist()
-        base = None
-        for name, params in ALGORITHMS.items():
-            if name in LLADA_ONLY and engine.family.name != "llada":
-                continue
-            ms = time_step(engine, _rows(engine, prompts, params), iters)
-            base = base or ms
-            rows.append(dict(model=model, kind="per_forward", algorithm=name, batch=batch, ms=ms,
-                             ratio=ms / base))  # fmt: skip
-            print(f"{name:<24}{batch:>6}{ms:>10.2f}{ms / base:>12.3f}", flush=True)
-        base = None
-        for name, params in CACHED.items():
-            ms = time_step(engine, _rows(engine, prompts, params, span=True), iters)
-            base = base or ms
-            rows.append(dict(model=model, kind="per_forward_cached", algorithm=name, batch=batch,
-                             ms=ms, ratio=ms / base))  # fmt: skip
-            print(f"{name:<40}{batch:>6}{ms:>10.2f}{ms / base:>12.3f}", flush=True)
+        for table, kind, width in (
+            (ALGORITHMS, "per_forward", 24),
+            (CACHED, "per_forward_cached", 40),
+        ):
+            names = [n for n in table if not (n in LLADA_ONLY and engine.family.name != "llada")]
+            span = kind == "per_forward_cached"
+            timers = [StepTimer(engine, _rows(engine, prompts, table[n], span=span)) for n in names]
+            times = time_interleaved(timers, iters * 2)
+            for name, ms in zip(names, times, strict=True):
+                rows.append(dict(model=model, kind=kind, algorithm=name, batch=batch, ms=ms,
+                                 ratio=ms / times[0]))  # fmt: skip
+                print(f"{name:<{width}}{batch:>6}{ms:>10.2f}{ms / times[0]:>12.3f}", flush=True)
     print(f"\n== {model}: multi-block step time vs blocks in flight (block {BLOCK})")
     print(f"{'blocks':>6}{'batch':>6}{'ms/step':>10}{'vs 1 block':>12}{'low_conf same width':>21}")
     for batch in batches:
@@ -128,8 +144,6 @@ def run(engine: Engine, model: str, batches: list[int], iters: int, out: Path) -
         one_block = None
         for blocks in (1, 2, 4, 8):
             seqs = _rows(engine, prompts, dict(multi_block=True, threshold=0.5), blocks)
-            ms = time_step(engine, seqs, iters)
-            one_block = one_block or ms
             wide = engine.resolve_params(
                 dict(max_tokens=CANVAS, block_length=BLOCK * blocks, steps=CANVAS)
             )
@@ -144,7 +158,8 @@ def run(engine: Engine, model: str, batches: list[int], iters: int, out: Path) -
                 )  # fmt: skip
                 for i, p in enumerate(prompts)
             ]
-            ms_lc = time_step(engine, same, iters)
+            ms, ms_lc = time_interleaved([StepTimer(engine, seqs), StepTimer(engine, same)], iters)
+            one_block = one_block or ms
             rows.append(dict(model=model, kind="multi_block", blocks=blocks, batch=batch, ms=ms,
                              ratio=ms / one_block, low_conf_same_width_ms=ms_lc))  # fmt: skip
             print(f"{blocks:>6}{batch:>6}{ms:>10.2f}{ms / one_block:>12.3f}{ms_lc:>21.2f}",

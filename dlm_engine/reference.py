@@ -658,7 +658,7 @@ def local_leap_generate(
     x = F.pad(prompt, (0, gen_length), value=mask_id)
     p_len = prompt.shape[1]
     steps_per_block = steps // (gen_length // block_length)
-    offsets = torch.arange(-radius, radius + 1)
+    offsets = torch.arange(-radius, radius + 1, device=prompt.device)
     for nb in range(gen_length // block_length):
         start, end = p_len + nb * block_length, p_len + (nb + 1) * block_length
         schedule = num_transfer_tokens(x[:, start:end] == mask_id, steps_per_block)
