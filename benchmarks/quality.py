@@ -106,6 +106,13 @@ def accel_settings(max_tokens: int, block: int = 8) -> list[Setting]:
         Setting(f"multi_block={t}", dict(mt, multi_block=True, block_length=block, threshold=t))
         for t in (0.1, 0.3, 0.6, 1.0)
     ]
+    out += [  # d3LLM's delayed KV cache (cache_delay_iter 2, its LLaDA chat setting)
+        Setting(
+            f"multi_block+prefix={t}",
+            dict(mt, multi_block=True, block_length=block, threshold=t, cache="prefix"),
+        )
+        for t in (0.1, 0.3, 0.6, 1.0)
+    ]
     return out
 
 
