@@ -104,14 +104,22 @@ def accel_settings(max_tokens: int, block: int = 8) -> list[Setting]:
     ]
     out += [
         Setting(f"multi_block={t}", dict(mt, multi_block=True, block_length=block, threshold=t))
-        for t in (0.1, 0.3, 0.6, 1.0)
+        for t in (0.01, 0.1, 0.3, 0.6, 1.0)
     ]
-    out += [  # d3LLM's delayed KV cache (cache_delay_iter 2, its LLaDA chat setting)
+    out += [  # d3LLM's delayed KV cache (cache_delay_iter 2, its LLaDA chat setting; and 1)
         Setting(
-            f"multi_block+prefix={t}",
-            dict(mt, multi_block=True, block_length=block, threshold=t, cache="prefix"),
+            f"multi_block+prefix={t}" + ("" if delay == 2 else f",delay={delay}"),
+            dict(
+                mt,
+                multi_block=True,
+                block_length=block,
+                threshold=t,
+                cache="prefix",
+                cache_delay_iter=delay,
+            ),  # fmt: skip
         )
-        for t in (0.1, 0.3, 0.6, 1.0)
+        for t in (0.01, 0.1, 0.3, 0.6, 1.0)
+        for delay in ((2, 1) if t == 0.01 else (2,))
     ]
     return out
 
