@@ -309,6 +309,103 @@ def d3llm_entropy_generate(
     return x
 
 
+def _d3llm_progress(b: dict) -> float:
+    return 1 - b["masks"] / b["total"]
+
+
+def _d3llm_grow_blocks(
+    blocks: dict[int, dict],
+    next_id: int,
+    x: torch.Tensor,
+    *,
+    p_len: int,
+    num_blocks: int,
+    block_size: int,
+    mask_id: int,
+    block_add_threshold: float,
+    decoded_token_threshold: float,
+    **fields,
+) -> int:
+    """The top of d3LLM's multi-block iteration: a block whose predecessor has decoded >=
+    decoded_token_threshold becomes active; then, if the last block's progress is >=
+    block_add_threshold (or it has no mask), the next block is added (active when its
+    predecessor already passes that threshold; `fields` are extra per-block entries). Returns
+    the next block id."""
+    for bid in sorted(blocks):
+        prev_done = bid > 0 and _d3llm_progress(blocks[bid - 1]) >= decoded_token_threshold
+        if prev_done and not blocks[bid]["active"]:
+            blocks[bid]["active"] = True
+    if next_id <= num_blocks:
+        last = blocks[max(blocks)]
+        if _d3llm_progress(last) >= block_add_threshold or last["masks"] == 0:
+            start = p_len + (next_id - 1) * block_size
+            blocks[next_id] = dict(
+                start=start,
+                end=start + block_size,
+                masks=int((x[:, start : start + block_size] == mask_id).sum()),
+                total=block_size,
+                active=_d3llm_progress(blocks[next_id - 1]) >= decoded_token_threshold,
+                **fields,
+            )
+            next_id += 1
+    return next_id
+
+
+def _d3llm_active_end(blocks: dict[int, dict]) -> int | None:
+    """End of the rightmost block that is active or still holds masks (None: none is)."""
+    rightmost = 0
+    for bid in sorted(blocks):
+        if blocks[bid]["active"] or blocks[bid]["masks"] > 0:
+            rightmost = bid
+    return None if rightmost == 0 else blocks[rightmost]["end"]
+
+
+def _d3llm_commit(
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    entropy: torch.Tensor,
+    mask_index: torch.Tensor,
+    active_end: int,
+    blocks: dict[int, dict],
+    *,
+    family: str,
+    threshold: float,
+) -> None:
+    """d3LLM's multi-block commit, in place on `x` and the blocks' mask counts: every mask
+    before `active_end` is a candidate; LLaDA commits the lowest entropy and every entropy <=
+    threshold, Dream every entropy < threshold; if the first active block still holding masks
+    got none, its lowest-entropy mask is committed."""
+    decode = mask_index.clone()
+    decode[:, active_end:] = False
+    x0 = torch.where(decode, torch.argmax(logits, dim=-1), x)
+    if family == "dream":
+        transfer = (entropy < threshold) & decode
+    else:
+        ent_sel = torch.where(decode, entropy, torch.inf)
+        k = int(decode[0].sum())
+        vals, idx = torch.topk(ent_sel[0], k=k, largest=False)
+        transfer = torch.zeros_like(x, dtype=torch.bool)
+        transfer[0, idx] = True
+        for i in range(1, k):
+            if vals[i] > threshold:
+                transfer[0, idx[i]] = False
+    first = next(
+        (b for bid, b in sorted(blocks.items()) if bid > 0 and b["active"] and b["masks"] > 0),
+        None,
+    )
+    if first is not None and not transfer[:, first["start"] : first["end"]].any():
+        lo, hi = first["start"], first["end"]
+        ent_block = torch.where(decode[:, lo:hi], entropy[:, lo:hi], torch.inf)
+        best = lo + int(ent_block[0].argmin())
+        transfer[0, best] = True
+        x0[0, best] = torch.argmax(logits[0, best])
+    x[transfer] = x0[transfer]
+    for bid in sorted(blocks):
+        b = blocks[bid]
+        if bid > 0 and b["masks"] > 0:
+            b["masks"] -= int(transfer[:, b["start"] : b["end"]].sum())
+
+
 @torch.no_grad()
 def d3llm_multi_block_generate(
     logits_fn: Logits,
@@ -346,73 +443,23 @@ def d3llm_multi_block_generate(
         active=decoded_token_threshold <= 1.0,
     )
     next_id = 2
-
-    def progress(b: dict) -> float:
-        return 1 - b["masks"] / b["total"]
-
+    grow = dict(p_len=p_len, num_blocks=num_blocks, block_size=block_size, mask_id=mask_id,
+                block_add_threshold=block_add_threshold,
+                decoded_token_threshold=decoded_token_threshold)  # fmt: skip
     while True:
         mask_index = x == mask_id
         if not mask_index[:, p_len:].any() and next_id > num_blocks:
             break
-        for bid in sorted(blocks):
-            prev_done = bid > 0 and progress(blocks[bid - 1]) >= decoded_token_threshold
-            if prev_done and not blocks[bid]["active"]:
-                blocks[bid]["active"] = True
-        if next_id <= num_blocks:
-            last = blocks[max(blocks)]
-            if progress(last) >= block_add_threshold or last["masks"] == 0:
-                start = p_len + (next_id - 1) * block_size
-                blocks[next_id] = dict(
-                    start=start,
-                    end=start + block_size,
-                    masks=int((x[:, start : start + block_size] == mask_id).sum()),
-                    total=block_size,
-                    active=progress(blocks[next_id - 1]) >= decoded_token_threshold,
-                )
-                next_id += 1
-        rightmost = 0
-        for bid in sorted(blocks):
-            if blocks[bid]["active"] or blocks[bid]["masks"] > 0:
-                rightmost = bid
-        if rightmost == 0:
+        next_id = _d3llm_grow_blocks(blocks, next_id, x, **grow)
+        active_end = _d3llm_active_end(blocks)
+        if active_end is None:
             break
-        active_end = blocks[rightmost]["end"]
         logits = logits_fn(x)
         if family == "dream":
             logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-        decode = mask_index.clone()
-        decode[:, active_end:] = False
         entropy = _entropy(logits, torch.float64, 1e-12)
-        x0 = torch.where(decode, torch.argmax(logits, dim=-1), x)
-        if family == "dream":
-            transfer = (entropy < threshold) & decode
-        else:
-            ent_sel = torch.where(decode, entropy, torch.inf)
-            k = int(decode[0].sum())
-            vals, idx = torch.topk(ent_sel[0], k=k, largest=False)
-            transfer = torch.zeros_like(x, dtype=torch.bool)
-            transfer[0, idx] = True
-            for i in range(1, k):
-                if vals[i] > threshold:
-                    transfer[0, idx[i]] = False
-        first = next(
-            (b for bid, b in sorted(blocks.items()) if bid > 0 and b["active"] and b["masks"] > 0),
-            None,
-        )
-        if first is not None and not transfer[:, first["start"] : first["end"]].any():
-            ent_block = torch.where(
-                decode[:, first["start"] : first["end"]],
-                entropy[:, first["start"] : first["end"]],
-                torch.inf,
-            )
-            best = first["start"] + int(ent_block[0].argmin())
-            transfer[0, best] = True
-            x0[0, best] = torch.argmax(logits[0, best])
-        x[transfer] = x0[transfer]
-        for bid in sorted(blocks):
-            b = blocks[bid]
-            if bid > 0 and b["masks"] > 0:
-                b["masks"] -= int(transfer[:, b["start"] : b["end"]].sum())
+        _d3llm_commit(x, logits, entropy, mask_index, active_end, blocks, family=family,
+                      threshold=threshold)  # fmt: skip
     return x
 
 
@@ -512,43 +559,21 @@ def d3llm_multi_block_cached_generate(
     for b in blocks.values():
         b["cached"] = False
     next_id = 2
+    grow = dict(p_len=p_len, num_blocks=num_blocks, block_size=block_size, mask_id=mask_id,
+                block_add_threshold=block_add_threshold,
+                decoded_token_threshold=decoded_token_threshold)  # fmt: skip
     cache: KV | None = None  # keys/values of positions [0, cache_len)
     cache_len = 0
     nfe = 0
-
-    def progress(b: dict) -> float:
-        return 1 - b["masks"] / b["total"]
-
     while True:
         mask_index = x == mask_id
         if not mask_index[:, p_len:].any() and next_id > num_blocks:
             break
         nfe += 1
-        for bid in sorted(blocks):
-            prev_done = bid > 0 and progress(blocks[bid - 1]) >= decoded_token_threshold
-            if prev_done and not blocks[bid]["active"]:
-                blocks[bid]["active"] = True
-        if next_id <= num_blocks:
-            last = blocks[max(blocks)]
-            if progress(last) >= block_add_threshold or last["masks"] == 0:
-                start = p_len + (next_id - 1) * block_size
-                blocks[next_id] = dict(
-                    start=start,
-                    end=start + block_size,
-                    masks=int((x[:, start : start + block_size] == mask_id).sum()),
-                    total=block_size,
-                    active=progress(blocks[next_id - 1]) >= decoded_token_threshold,
-                    done_at=None,
-                    cached=False,
-                )
-                next_id += 1
-        rightmost = 0
-        for bid in sorted(blocks):
-            if blocks[bid]["active"] or blocks[bid]["masks"] > 0:
-                rightmost = bid
-        if rightmost == 0:
+        next_id = _d3llm_grow_blocks(blocks, next_id, x, done_at=None, cached=False, **grow)
+        active_end = _d3llm_active_end(blocks)
+        if active_end is None:
             break
-        active_end = blocks[rightmost]["end"]
         # the delayed cache: which decoded blocks have waited long enough
         cache_to = None
         for bid in sorted(blocks):
@@ -599,35 +624,8 @@ def d3llm_multi_block_cached_generate(
         full[:, start:] = logits
         entropy = _entropy(full, torch.float64, 1e-12)
         entropy[:, :start] = torch.inf
-        decode = mask_index.clone()
-        decode[:, active_end:] = False
-        x0 = torch.where(decode, torch.argmax(full, dim=-1), x)
-        if family == "dream":
-            transfer = (entropy < threshold) & decode
-        else:
-            ent_sel = torch.where(decode, entropy, torch.inf)
-            k = int(decode[0].sum())
-            vals, idx = torch.topk(ent_sel[0], k=k, largest=False)
-            transfer = torch.zeros_like(x, dtype=torch.bool)
-            transfer[0, idx] = True
-            for i in range(1, k):
-                if vals[i] > threshold:
-                    transfer[0, idx[i]] = False
-        first = next(
-            (b for bid, b in sorted(blocks.items()) if bid > 0 and b["active"] and b["masks"] > 0),
-            None,
-        )
-        if first is not None and not transfer[:, first["start"] : first["end"]].any():
-            lo, hi = first["start"], first["end"]
-            ent_block = torch.where(decode[:, lo:hi], entropy[:, lo:hi], torch.inf)
-            best = lo + int(ent_block[0].argmin())
-            transfer[0, best] = True
-            x0[0, best] = torch.argmax(full[0, best])
-        x[transfer] = x0[transfer]
-        for bid in sorted(blocks):
-            b = blocks[bid]
-            if bid > 0 and b["masks"] > 0:
-                b["masks"] -= int(transfer[:, b["start"] : b["end"]].sum())
+        _d3llm_commit(x, full, entropy, mask_index, active_end, blocks, family=family,
+                      threshold=threshold)  # fmt: skip
     return x
 
 
