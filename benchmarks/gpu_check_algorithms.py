@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from dlm_engine import Engine, EngineConfig, reference
-from dlm_engine.testing import SAMPLE_PROMPTS, make_tiny_checkpoint
+from dlm_engine.testing import SAMPLE_PROMPTS, chat_prompt, make_tiny_checkpoint, until_stop
 
 MB = dict(block_add_threshold=0.1, decoded_token_threshold=0.95)
 
@@ -96,13 +96,6 @@ def cases(family: str) -> list[tuple[str, dict, object, dict]]:
     return out
 
 
-def until_stop(engine: Engine, ids: list[int]) -> list[int]:
-    for i, t in enumerate(ids):
-        if t in engine.stop_ids:
-            return ids[:i]
-    return ids
-
-
 def expected(engine: Engine, fn, prompt: list[int], kw: dict) -> list[int]:
     lm = engine.loaded
     cached = fn is reference.d3llm_multi_block_cached_generate
@@ -123,10 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             ckpt = make_tiny_checkpoint(Path(tmp) / family, family)
             eng = Engine(EngineConfig(model=str(ckpt), device=args.device, dtype="float32",
                                       max_rows=32))  # fmt: skip
-            prompts = [
-                eng.encode_prompt(messages=[{"role": "user", "content": t}])
-                for t in SAMPLE_PROMPTS[:4]
-            ]
+            prompts = [chat_prompt(eng, t) for t in SAMPLE_PROMPTS[:4]]
             batch_prompts, batch_params, alone = [], [], []
             for name, params, fn, kw in cases(family):
                 got = [o.token_ids for o in eng.generate(prompts, [params] * len(prompts))]

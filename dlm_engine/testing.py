@@ -246,6 +246,19 @@ def _point_row_at_masks(
     head[row] = u / u.norm() * head.norm(dim=1).max() * scale
 
 
+def chat_prompt(engine, text: str) -> list[int]:
+    """`text` as one user message through the engine's chat template (prompt ids)."""
+    return engine.encode_prompt(messages=[{"role": "user", "content": text}])
+
+
+def until_stop(engine, ids: list[int]) -> list[int]:
+    """A reference loop's canvas cut where the engine's output ends: before the first stop id."""
+    for i, t in enumerate(ids):
+        if t in engine.stop_ids:
+            return ids[:i]
+    return ids
+
+
 def make_tiny_checkpoint(
     out_dir: str | Path,
     family: str = "llada",

@@ -22,31 +22,20 @@ from dlm_engine.reference import (
     local_leap_generate,
 )
 from dlm_engine.testing import SAMPLE_PROMPTS as PROMPTS
-from dlm_engine.testing import make_tiny_checkpoint
-
-
-def _chat(engine: Engine, text: str) -> list[int]:
-    return engine.encode_prompt(messages=[{"role": "user", "content": text}])
-
-
-def _until_stop(engine: Engine, ids: list[int]) -> list[int]:
-    for i, t in enumerate(ids):
-        if t in engine.stop_ids:
-            return ids[:i]
-    return ids
+from dlm_engine.testing import chat_prompt, make_tiny_checkpoint, until_stop
 
 
 def _ref(engine: Engine, fn, prompt: list[int], **kw) -> list[int]:
     lm = engine.loaded
     x = fn(full_logits(lm.model), torch.tensor([prompt]), mask_id=lm.mask_id, **kw)
-    return _until_stop(engine, x[0, len(prompt) :].tolist())
+    return until_stop(engine, x[0, len(prompt) :].tolist())
 
 
 def _check(engine: Engine, params: dict, fn, **ref_kw) -> float:
     """Engine == reference on three prompts; returns the mean tokens per forward."""
     tpf = []
     for text in PROMPTS[:3]:
-        prompt = _chat(engine, text)
+        prompt = chat_prompt(engine, text)
         out = engine.generate([prompt], dict(params, temperature=0.0))[0]
         assert out.token_ids == _ref(engine, fn, prompt, **ref_kw), (params, text)
         if out.finish_reason == "length":
@@ -191,7 +180,7 @@ MIXED = {
 def test_mixed_batch_equals_alone(engines, family) -> None:
     eng = engines[family]
     cases = MIXED[family]
-    prompts = [_chat(eng, PROMPTS[i % 4] + " " * (i // 4)) for i in range(len(cases))]
+    prompts = [chat_prompt(eng, PROMPTS[i % 4] + " " * (i // 4)) for i in range(len(cases))]
     alone = [_key(eng.generate([p], c)[0]) for p, c in zip(prompts, cases, strict=True)]
     final: dict[str, RequestOutput] = {}
     half = len(cases) // 2
@@ -280,7 +269,7 @@ def test_d3llm_checkpoint_defaults_to_its_published_decoding(d3llm, family, tau)
     assert (r.block_length, r.accel.block_add_threshold) == (32, 0.1)
     # a request's own rule wins over the checkpoint's
     assert eng.resolve_params(dict(algorithm="low_confidence")).accel.multi_block is False
-    prompt = _chat(eng, PROMPTS[0])
+    prompt = chat_prompt(eng, PROMPTS[0])
     out = eng.generate([prompt], dict(max_tokens=32, block_length=8))[0]
     ref = _ref(eng, d3llm_multi_block_generate, prompt, family=family, gen_length=32,
                block_size=8, threshold=tau, block_add_threshold=0.1,

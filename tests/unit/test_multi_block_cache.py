@@ -16,17 +16,7 @@ from dlm_engine import Engine, InvalidRequestError, RequestOutput
 from dlm_engine.reference import cached_forward, d3llm_multi_block_cached_generate, full_logits
 from dlm_engine.sequence import Sequence
 from dlm_engine.testing import SAMPLE_PROMPTS as PROMPTS
-
-
-def _chat(engine: Engine, text: str) -> list[int]:
-    return engine.encode_prompt(messages=[{"role": "user", "content": text}])
-
-
-def _until_stop(engine: Engine, ids: list[int]) -> list[int]:
-    for i, t in enumerate(ids):
-        if t in engine.stop_ids:
-            return ids[:i]
-    return ids
+from dlm_engine.testing import chat_prompt, until_stop
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
@@ -34,7 +24,7 @@ def test_suffix_forward_over_cache_equals_full_forward(engines, family) -> None:
     """The restatement's explicit-KV forward: a suffix over the keys of a full forward gives
     that forward's logits (tokens unchanged), and the same keys for the suffix."""
     model = engines[family].loaded.model
-    x = torch.tensor([_chat(engines[family], PROMPTS[0]) + [5, 6, 7, 8] * 4])
+    x = torch.tensor([chat_prompt(engines[family], PROMPTS[0]) + [5, 6, 7, 8] * 4])
     with torch.no_grad():
         ref = full_logits(model)(x)
         logits, kv = cached_forward(model, x)
@@ -74,7 +64,7 @@ def test_engine_equals_d3llm_cached_loop(engines, family) -> None:
     overlaps = parallel = 0
     for case in CASES:
         for text in PROMPTS[:3]:
-            prompt = _chat(eng, text)
+            prompt = chat_prompt(eng, text)
             trace: list[str] = []
             x = d3llm_multi_block_cached_generate(
                 lm.model,
@@ -93,7 +83,7 @@ def test_engine_equals_d3llm_cached_loop(engines, family) -> None:
             refreshes, spans = r.refreshes, r.span_steps
             params = dict(case, multi_block=True, cache="prefix", temperature=0.0)
             out, seq = _engine_run(eng, prompt, params)
-            assert out.token_ids == _until_stop(eng, x[0, len(prompt) :].tolist()), (case, text)
+            assert out.token_ids == until_stop(eng, x[0, len(prompt) :].tolist()), (case, text)
             cache = seq.multi.cache
             history = cache.history
             assert history == trace[: len(history)], (case, text)  # same forward, every step
@@ -137,7 +127,7 @@ MIXED = [
 def test_batched_equals_alone_and_slots_come_back(engines, family) -> None:
     eng = engines[family]
     r = eng.runner
-    prompts = [_chat(eng, PROMPTS[i % 4] + " " * (i // 4)) for i in range(len(MIXED))]
+    prompts = [chat_prompt(eng, PROMPTS[i % 4] + " " * (i // 4)) for i in range(len(MIXED))]
     alone = [_key(eng.generate([p], c)[0]) for p, c in zip(prompts, MIXED, strict=True)]
     final: dict[str, RequestOutput] = {}
     half = len(MIXED) // 2
@@ -156,7 +146,7 @@ def test_abort_mid_generation_frees_the_slot(engines) -> None:
     eng = engines["llada"]
     r = eng.runner
     params = dict(MIXED[0], max_tokens=64)
-    eng.add_request("a", _chat(eng, PROMPTS[1]), params)
+    eng.add_request("a", chat_prompt(eng, PROMPTS[1]), params)
     seq = eng.scheduler.waiting[-1]
     assert not eng.scheduler._hold(seq)  # no block start to wait for
     for _ in range(4):
