@@ -47,6 +47,11 @@ EXTREME_COMMON = [
          max_active_blocks=HUGE),
     dict(max_tokens=8, block_length=4, multi_block=True, threshold=20.0, max_nfe=1,
          seed=2**63 - 1, temperature=2.0),
+    # d3LLM's delayed KV cache: cached after one step and refreshed every step, or never
+    dict(max_tokens=8, block_length=4, multi_block=True, cache="prefix", cache_delay_iter=1,
+         refresh_interval=1),
+    dict(max_tokens=8, block_length=4, multi_block=True, cache="prefix", cache_delay_iter=HUGE,
+         refresh_interval=HUGE, threshold=TINY),
 ]  # fmt: skip
 EXTREME = {
     "llada": [
