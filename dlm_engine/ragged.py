@@ -126,12 +126,13 @@ class PackedAttention:
                 qp, kp, vp = qt[idx], kt[idx], vt[idx]  # [rows, Tq, heads, D]
             slots = self.x.get(f"{g}_slots")
             if slots is not None:  # store fresh keys/values at their absolute positions
-                where = (slots[:, None], self.x[f"{g}_write_pos"])
-                self.pool.k[layer][where] = kp
-                self.pool.v[layer][where] = vp
+                flat = self.x[f"{g}_write_flat"].reshape(-1)
+                for pool, fresh in ((self.pool.k[layer], kp), (self.pool.v[layer], vp)):
+                    pool.view(-1, *pool.shape[2:]).index_copy_(0, flat, fresh.flatten(0, 1))
             mask = self.x.get(f"{g}_key_mask")
             if g == "span":  # over the slot: the span just written, the cache around it
-                keys, values = self.pool.k[layer][slots], self.pool.v[layer][slots]
+                keys = self.pool.k[layer].index_select(0, slots)
+                values = self.pool.v[layer].index_select(0, slots)
             else:
                 keys, values = kp, vp
             keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [rows, KV, S, D]
@@ -263,7 +264,10 @@ def plan_packed(
             )
             keep = torch.tensor([s is not None for s in stored])[:, None] & (ar < gl[:, None])
             write = torch.where(keep, pos0[sel, None] + ar, pool.trash_pos)
-            inputs[f"{g}_write_pos"] = padded(write, pool.trash_pos)
+            # flat (slot, position) of each key in the pool's [slots * (length + 1)] rows: one
+            # index_copy_ a layer (an index_put over two index tensors cost twice as much)
+            write = padded(write, pool.trash_pos)
+            inputs[f"{g}_write_flat"] = inputs[f"{g}_slots"][:, None] * (pool.length + 1) + write
     # numpy's repeat: torch's repeat_interleave and searchsorted took 4 ms on CPU for 320 tokens
     row_of = torch.from_numpy(np.repeat(np.arange(n_rows), qlens.numpy()))
     j_of = torch.arange(n_real) - offsets[row_of]

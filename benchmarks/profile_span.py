@@ -1,0 +1,171 @@
+"""Where a cached in-block step's time goes at batch 1 (issue 14's goal: dual cache, in-block
+step <= 7.5 ms on the H100). Prints the step's wall time, the device's busy time per step
+(sum of kernel times from the profiler), the host time per step, the floor set by reading the
+weights once at the measured memory bandwidth, and the kernels that take the device time.
+
+    python benchmarks/profile_span.py --model llada-8b --out OUT_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from dlm_engine import Engine, EngineConfig
+from dlm_engine.loader import random_checkpoint
+
+PROMPT, CANVAS, BLOCK, STEPS = 64, 256, 32, 64
+
+
+def copy_bandwidth_gbs(device: torch.device) -> float:
+    """Device memory bandwidth from a large copy (read + write bytes per second)."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (time.perf_counter() - t) / 1e9
+
+
+def in_block_steps(engine: Engine, prompt: list[int], params: dict) -> list[float]:
+    """Run one request; wall seconds of each in-block (span) step."""
+    r = engine.runner
+    engine.add_request(None, prompt, params)
+    walls: list[float] = []
+    while engine.has_unfinished():
+        before = r.span_steps
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t
+        if r.span_steps > before:
+            walls.append(dt)
+    return walls
+
+
+def host_profile(engine: Engine, prompt: list[int], params: dict, top: int = 25) -> list:
+    """cProfile of the in-block steps of one request: (function, cumulative ms per step)."""
+    r = engine.runner
+    engine.add_request("host-profiled", prompt, params)
+    prof, n = cProfile.Profile(), 0
+    while engine.has_unfinished():
+        before = r.span_steps
+        prof.enable()
+        engine.step()
+        prof.disable()
+        n += r.span_steps > before
+    stats = pstats.Stats(prof).sort_stats("cumulative")
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:top]  # type: ignore[attr-defined]
+    return [
+        (f"{Path(f).name}:{line}({fn})", round(v[3] / max(n, 1) * 1e3, 3))
+        for (f, line, fn), v in rows
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llada-8b")
+    ap.add_argument("--cache", default="dual")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="profile_span_out")
+    ap.add_argument("--no-fused", action="store_true", help="engine without fused kernels")
+    ap.add_argument("--tiny", action="store_true", help="shrunken preset: a CPU smoke run")
+    args = ap.parse_args()
+    if args.tiny:
+        from dlm_engine.presets import PRESETS
+
+        PRESETS["llada-8b"].update(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
+                                   mlp_hidden_size=128)  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device(args.device)
+    lm = random_checkpoint(args.model, "bfloat16", args.device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    cfg = EngineConfig(model=f"random:{args.model}", device=args.device, max_rows=8,
+                       max_canvas=CANVAS, fused_kernels=not args.no_fused)  # fmt: skip
+    engine = Engine(cfg, loaded=lm)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 30000, (PROMPT,), generator=gen).tolist()
+    params = dict(max_tokens=CANVAS, steps=STEPS, block_length=BLOCK, cache=args.cache)
+    in_block_steps(engine, prompt, params)  # graphs captured here
+    walls = in_block_steps(engine, prompt, params)
+    wall_ms = statistics.median(walls) * 1e3
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    engine.add_request("profiled", prompt, params)
+    r = engine.runner
+    for _ in range(9):  # past the first block and into the second
+        engine.step()
+    n = 0
+    with profile(activities=acts) as prof:
+        while n < 6:
+            before = r.span_steps
+            engine.step()
+            n += r.span_steps > before
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    engine.abort("profiled")
+    while engine.has_unfinished():
+        engine.step()
+    # kernels and copies only: an op outside a graph (the head's matmul, softmax) is listed
+    # both as the aten op and as its kernel, with the same device time
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_us = sum(e.self_device_time_total for e in events) / n
+    host = host_profile(engine, prompt, params)
+    bw = copy_bandwidth_gbs(dev)
+    floor_ms = weight_bytes / (bw * 1e9) * 1e3 if bw == bw else float("nan")
+    kernels = sorted(events, key=lambda e: -e.self_device_time_total)[:30]
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
+    (out / f"profile_span_{args.model}_{args.cache}.txt").write_text(table)
+    result = {
+        "model": args.model,
+        "cache": args.cache,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "fused_kernels": not args.no_fused,
+        "in_block_step_wall_ms_median": round(wall_ms, 3),
+        "in_block_steps": len(walls),
+        "device_busy_ms_per_step": round(device_us / 1e3, 3),
+        "weights_gb": round(weight_bytes / 1e9, 3),
+        "copy_bandwidth_gbs": round(bw, 1),
+        "weight_read_floor_ms": round(floor_ms, 3),
+        "host_top_cumulative": host,
+        "top_kernels": [
+            {
+                "name": e.key[:90],
+                "calls_per_step": e.count / n,
+                "ms_per_step": round(e.self_device_time_total / n / 1e3, 3),
+            }  # fmt: skip
+            for e in kernels
+            if e.self_device_time_total > 0
+        ],
+    }
+    (out / f"profile_span_{args.model}_{args.cache}.json").write_text(json.dumps(result, indent=1))
+    print(
+        json.dumps({k: v for k, v in result.items() if not k.startswith(("top", "host"))}, indent=1)
+    )
+    print("host side, cumulative ms per in-block step:")
+    for name, ms in host:
+        print(f"{ms:8.3f} ms  {name}")
+    for k in result["top_kernels"]:
+        print(f"{k['ms_per_step']:8.3f} ms {k['calls_per_step']:6.1f}x  {k['name']}")
+
+
+if __name__ == "__main__":
+    main()
