@@ -59,6 +59,7 @@ import requests
 import tritonclient.grpc as grpcclient
 from dlm_client import build_inputs
 from locust import User, between, events, task
+from locust import stats as locust_stats
 from locust.env import Environment
 
 from dlm_protocol import tensors
@@ -456,7 +457,17 @@ def _stop_after_counts(request_type: str, name: str, exception: Any, context: An
         if kinds and all(_completed.get(k, 0) >= STOP_AFTER for k in kinds):
             _ENV["quitting"] = True
             print(f"[dlm] every kind completed {STOP_AFTER} requests: stopping", flush=True)
-            gevent.spawn(env.runner.quit)
+            gevent.spawn(_quit_after_csv_tick, env)
+
+
+def _quit_after_csv_tick(env: Environment) -> None:
+    """Stop the users, let Locust's CSV writer record the final counts, then quit. Locust
+    rewrites its ``--csv`` files every ``CSV_STATS_INTERVAL_SEC`` and not at shutdown, so a
+    run that reached its counts within the first second left a stats file with no rows (seen
+    on a fast idle machine: the sweep's 1-user run had none)."""
+    env.runner.stop()
+    gevent.sleep(locust_stats.CSV_STATS_INTERVAL_SEC + 0.5)
+    env.runner.quit()
 
 
 _ENV: dict[str, Any] = {}
