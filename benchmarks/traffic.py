@@ -19,6 +19,8 @@ Targets:
         --requests 8,32 --caches none,dual --out traffic_out
     python benchmarks/traffic.py --target engine --device cpu --requests 8 --out /tmp/traffic
     python benchmarks/traffic.py --target proxy --url http://127.0.0.1:9000 --model tiny-dlm
+    python benchmarks/traffic.py --target triton --serve --device cuda --model random:llada-8b \
+        --requests 8,32 --caches dual      # starts (and stops) tritonserver itself
 
 Arrival specs (``--arrivals``): ``all`` (simultaneous), ``gap:100`` (100 ms apart),
 ``poisson:0.8`` (Poisson at 0.8x the saturated request rate measured by ``all`` in this run),
@@ -200,13 +202,15 @@ def drive_threads(send: Callable[[int, Trace, float], None], n: int, arrivals: l
     return traces, time.perf_counter() - t0
 
 
-def triton_sender(url: str, model: str, prompts, params: dict):
+def triton_sender(url: str, model: str, prompts, messages, params: dict):
+    """Token ids when the workload has them (random weights), chat messages otherwise."""
     from dlm_client import DLMClient
 
     client = DLMClient(url, model)
 
     def send(i: int, tr: Trace, t0: float) -> None:
-        for chunk in client.stream(input_ids=prompts[i], stream=True, **params):
+        request = {"input_ids": prompts[i]} if prompts else {"messages": messages[i]}
+        for chunk in client.stream(stream=True, **request, **params):
             now = time.perf_counter() - t0
             if chunk.text and tr.first_text is None:
                 tr.first_text = now
@@ -267,7 +271,14 @@ def workload(args, engine, n: int, rng: random.Random):
     if args.model.startswith("random:"):
         prompts = [[rng.randrange(100000) for _ in range(PROMPT)] for _ in range(n)]
         params = dict(max_tokens=CANVAS, steps=STEPS, block_length=BLOCK)
-        return prompts, None, params
+        # the proxy takes chat messages: PROMPT random letters (the stand-in tokenizer is
+        # character-level, so the prompt is PROMPT tokens plus the chat template's)
+        letters = "abcdefghijklmnopqrstuvwxyz"
+        msgs = [
+            [{"role": "user", "content": "".join(rng.choice(letters) for _ in range(PROMPT))}]
+            for _ in range(n)
+        ]
+        return prompts, msgs, params
     from dlm_engine.training.tasks import heldout_examples, messages_for
 
     msgs = [messages_for(ex) for ex in heldout_examples(n, seed=rng.randrange(1 << 30))]
@@ -281,6 +292,12 @@ def main() -> None:
     )
     ap.add_argument("--target", choices=("engine", "triton", "proxy"), default="engine")
     ap.add_argument("--url", help="Triton gRPC host:port or proxy base URL")
+    ap.add_argument(
+        "--serve",
+        action="store_true",
+        help="triton/proxy targets: start tritonserver (and the proxy) for --model on "
+        "--device with the project launcher, and stop it by PID at the end",
+    )
     ap.add_argument("--model", default="tiny-dlm", help="tiny-dlm, a directory, or random:NAME")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--requests", default="8", help="comma list of N")
@@ -313,8 +330,51 @@ def main() -> None:
             from gpu_bench import bf16_peak_tflops
 
             peak = bf16_peak_tflops(torch.device(args.device))
-    elif args.model != "tiny-dlm" and args.model.startswith("random:"):
-        raise SystemExit("--target triton/proxy serve their own model: name it, not random:")
+    elif args.model.startswith("random:") and not args.serve:
+        raise SystemExit("--target triton/proxy with random weights: add --serve")
+    server = start_server(args, max(ns), out) if args.serve and args.target != "engine" else None
+    try:
+        rows, header = run_settings(args, ns, engine, torch, peak)
+    finally:
+        if server is not None:
+            server.stop()
+    (out / "traffic.json").write_text(
+        json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=2)
+    )
+    plot(rows, out / "traffic.png", header)
+
+
+def start_server(args, max_rows: int, out: Path):
+    """tritonserver (+ proxy) for --model through the project launcher; sets --url / --model
+    to what it serves."""
+    from dlm_triton.launcher import Ports, TritonServerProcess
+    from dlm_triton.settings import ASSETS_DIR
+
+    random_weights = args.model.startswith("random:")
+    model = ASSETS_DIR / "tiny-dlm" if args.model == "tiny-dlm" else args.model
+    params = {"max_rows": str(max_rows)}
+    if random_weights:
+        params["max_canvas"] = str(CANVAS)
+    server = TritonServerProcess(
+        model,
+        device=args.device,
+        dtype="bfloat16" if random_weights else None,
+        engine_params=params,
+        ports=Ports.free(),
+        proxy=args.target == "proxy",
+        log_path=out / "tritonserver.log",
+        ready_timeout_s=900,
+        exit_timeout_s=20,
+    )
+    server.start()
+    args.url = server.urls["grpc"] if args.target == "triton" else server.urls["openai"][:-3]
+    args.served_model = server.model_name
+    print(f"serving {args.model} as {server.model_name} at {args.url}", flush=True)
+    return server
+
+
+def run_settings(args, ns: list[int], engine, torch, peak):
+    """Every (cache, N, phase wait) setting under every arrival process: rows and header."""
     sys.path.insert(0, str(Path(__file__).parent))
     from triton_gpu_bench import device_name
 
@@ -336,9 +396,10 @@ def main() -> None:
         def run(arr: list[float], k: int = n, p=prompts, m=msgs, par=params):
             if args.target == "engine":
                 return drive_engine(engine, p[:k], par, arr)
+            name = getattr(args, "served_model", args.model)
             if args.target == "triton":
-                return drive_threads(triton_sender(args.url, args.model, p, par), k, arr)
-            return drive_threads(proxy_sender(args.url, args.model, m, par), k, arr)
+                return drive_threads(triton_sender(args.url, name, p, m, par), k, arr)
+            return drive_threads(proxy_sender(args.url, name, m, par), k, arr)
 
         run([0.0] * n)  # warm-up: graph capture and compilation at these shapes
         run([0.0], 1)  # and at batch 1, so the SLO's reference run is warm
@@ -371,10 +432,7 @@ def main() -> None:
                 row.pct_peak = 100 * work_flops(engine, work) / wall / 1e12 / peak
             rows.append(row)
             print(format_row(row), flush=True)
-    (out / "traffic.json").write_text(
-        json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=2)
-    )
-    plot(rows, out / "traffic.png", header)
+    return rows, header
 
 
 def format_row(r: RoundResult) -> str:
