@@ -10,6 +10,8 @@
 # server through the pack's `pytriton` folder (dlm_triton/server_dist.py, wheel layout).
 #
 #   benchmarks/triton_gpu_device.sh OUT_DIR [triton_gpu_bench.py arguments...]
+#   BENCH_SCRIPT=benchmarks/traffic.py benchmarks/triton_gpu_device.sh OUT_DIR --target triton \
+#       --serve --device cuda --model random:llada-8b --requests 8 --caches dual
 set -euo pipefail
 out=${1:?output folder}
 shift
@@ -109,7 +111,8 @@ export PYTHONUNBUFFERED=1
 cd "$repo"
 status=0
 # BENCH_TIMEOUT_S: SIGTERM then (the benchmark stops the server on it), SIGKILL 40 s later
-timeout -k 40 "${BENCH_TIMEOUT_S:-3600}" "$venv/bin/python" benchmarks/triton_gpu_bench.py \
+# BENCH_SCRIPT: another benchmark run the same way (e.g. benchmarks/traffic.py --serve)
+timeout -k 40 "${BENCH_TIMEOUT_S:-3600}" "$venv/bin/python" "${BENCH_SCRIPT:-benchmarks/triton_gpu_bench.py}" \
     --out "$out" "$@" || status=$?
 echo "left over (should be none):"
 pgrep -a -x tritonserver || true
