@@ -451,7 +451,11 @@ def format_row(r: RoundResult) -> str:
 
 
 def plot(rows: list[RoundResult], path: Path, title: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # e.g. the stub's environment on a GPU host: traffic.json is written
+        print(f"matplotlib missing: no {path.name}", flush=True)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
