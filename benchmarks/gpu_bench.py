@@ -49,6 +49,20 @@ def bf16_peak_tflops(device: torch.device) -> float:
     return 10 * 2 * n**3 / (time.perf_counter() - t) / 1e12
 
 
+def shrink_presets() -> None:
+    """Tiny LLaDA-8B and Dream-7B presets: a CPU smoke run of the GPU benchmarks."""
+    from dlm_engine.presets import PRESETS
+
+    PRESETS["llada-8b"].update(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=128)
+    PRESETS["dream-7b"].update(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+    )
+
+
 def model_dims(engine: Engine) -> tuple[int, int, int, int]:
     """(linear weights in the blocks, layers, hidden size, vocab) for FLOP counting."""
     m = engine.loaded.model
@@ -178,18 +192,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(args.device)
     if args.tiny:
-        from dlm_engine.presets import PRESETS
-
-        PRESETS["llada-8b"].update(
-            d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=128
-        )
-        PRESETS["dream-7b"].update(
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=128,
-        )
+        shrink_presets()
     torch.backends.cuda.matmul.allow_tf32 = True
     peak = bf16_peak_tflops(dev)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"

@@ -17,27 +17,13 @@ import time
 from pathlib import Path
 
 import torch
+from gpu_bench import shrink_presets
+from gpu_bench_block import copy_bandwidth
 
 from dlm_engine import Engine, EngineConfig
 from dlm_engine.loader import random_checkpoint
 
 PROMPT, CANVAS, BLOCK, STEPS = 64, 256, 32, 64
-
-
-def copy_bandwidth_gbs(device: torch.device) -> float:
-    """Device memory bandwidth from a large copy (read + write bytes per second)."""
-    if device.type != "cuda":
-        return float("nan")
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (time.perf_counter() - t) / 1e9
 
 
 def in_block_steps(engine: Engine, prompt: list[int], params: dict) -> list[float]:
@@ -86,10 +72,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="shrunken preset: a CPU smoke run")
     args = ap.parse_args()
     if args.tiny:
-        from dlm_engine.presets import PRESETS
-
-        PRESETS["llada-8b"].update(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
-                                   mlp_hidden_size=128)  # fmt: skip
+        shrink_presets()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(args.device)
@@ -128,8 +111,8 @@ def main() -> None:
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     device_us = sum(e.self_device_time_total for e in events) / n
     host = host_profile(engine, prompt, params)
-    bw = copy_bandwidth_gbs(dev)
-    floor_ms = weight_bytes / (bw * 1e9) * 1e3 if bw == bw else float("nan")
+    bw = copy_bandwidth(dev) / 1e9
+    floor_ms = weight_bytes / (bw * 1e9) * 1e3
     kernels = sorted(events, key=lambda e: -e.self_device_time_total)[:30]
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
     (out / f"profile_span_{args.model}_{args.cache}.txt").write_text(table)

@@ -333,8 +333,13 @@ def main() -> None:
     elif args.model.startswith("random:") and not args.serve:
         raise SystemExit("--target triton/proxy with random weights: add --serve")
     server = start_server(args, max(ns), out) if args.serve and args.target != "engine" else None
+    url, name = args.url, args.model
+    if server is not None:  # what it serves
+        url = server.urls["grpc"] if args.target == "triton" else server.urls["openai"]
+        url, name = url.removesuffix("/v1"), server.model_name
+        print(f"serving {args.model} as {name} at {url}", flush=True)
     try:
-        rows, header = run_settings(args, ns, engine, torch, peak)
+        rows, header = run_settings(args, ns, engine, torch, peak, url, name)
     finally:
         if server is not None:
             server.stop()
@@ -345,8 +350,7 @@ def main() -> None:
 
 
 def start_server(args, max_rows: int, out: Path):
-    """tritonserver (+ proxy) for --model through the project launcher; sets --url / --model
-    to what it serves."""
+    """tritonserver (+ proxy) for --model through the project launcher, started."""
     from dlm_triton.launcher import Ports, TritonServerProcess
     from dlm_triton.settings import ASSETS_DIR
 
@@ -366,15 +370,12 @@ def start_server(args, max_rows: int, out: Path):
         ready_timeout_s=900,
         exit_timeout_s=20,
     )
-    server.start()
-    args.url = server.urls["grpc"] if args.target == "triton" else server.urls["openai"][:-3]
-    args.served_model = server.model_name
-    print(f"serving {args.model} as {server.model_name} at {args.url}", flush=True)
-    return server
+    return server.start()
 
 
-def run_settings(args, ns: list[int], engine, torch, peak):
-    """Every (cache, N, phase wait) setting under every arrival process: rows and header."""
+def run_settings(args, ns: list[int], engine, torch, peak, url: str | None, name: str):
+    """Every (cache, N, phase wait) setting under every arrival process: rows and header.
+    `url` and `name` address the triton / proxy target."""
     sys.path.insert(0, str(Path(__file__).parent))
     from triton_gpu_bench import device_name
 
@@ -396,10 +397,9 @@ def run_settings(args, ns: list[int], engine, torch, peak):
         def run(arr: list[float], k: int = n, p=prompts, m=msgs, par=params):
             if args.target == "engine":
                 return drive_engine(engine, p[:k], par, arr)
-            name = getattr(args, "served_model", args.model)
             if args.target == "triton":
-                return drive_threads(triton_sender(args.url, name, p, m, par), k, arr)
-            return drive_threads(proxy_sender(args.url, name, m, par), k, arr)
+                return drive_threads(triton_sender(url, name, p, m, par), k, arr)
+            return drive_threads(proxy_sender(url, name, m, par), k, arr)
 
         run([0.0] * n)  # warm-up: graph capture and compilation at these shapes
         run([0.0], 1)  # and at batch 1, so the SLO's reference run is warm
