@@ -43,6 +43,53 @@ def in_block_steps(engine: Engine, prompt: list[int], params: dict) -> list[floa
     return walls
 
 
+def host_phases(engine: Engine, prompt: list[int], params: dict) -> dict[str, float]:
+    """Median ms per in-block step of the host's three stretches: from the step's start to the
+    forward's graph being launched (the device idles for most of it), from the launch to the
+    runner's one device-to-host copy returning (the device works), and from there to the
+    step's end (outputs, detokenization, retiring; the device idles)."""
+    r = engine.runner
+    marks: dict[str, float] = {}
+    graphs, run_step = r.graphs, r.step
+
+    def timed_step(seqs):
+        out = run_step(seqs)
+        marks["copied"] = time.perf_counter()
+        return out
+
+    r.step = timed_step
+    if graphs is not None:
+        replay = graphs.run
+
+        def timed_run(*a, **k):
+            out = replay(*a, **k)
+            marks["launched"] = time.perf_counter()
+            return out
+
+        graphs.run = timed_run
+    engine.add_request("phased", prompt, params)
+    phases: dict[str, list[float]] = {"to_launch": [], "launch_to_copy": [], "after_copy": []}
+    try:
+        while engine.has_unfinished():
+            before = r.span_steps
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            marks.clear()
+            t = time.perf_counter()
+            engine.step()
+            end = time.perf_counter()
+            if r.span_steps > before and "copied" in marks:
+                launched = marks.get("launched", t)
+                phases["to_launch"].append(launched - t)
+                phases["launch_to_copy"].append(marks["copied"] - launched)
+                phases["after_copy"].append(end - marks["copied"])
+    finally:
+        del r.step
+        if graphs is not None:
+            del graphs.run
+    return {k: round(statistics.median(v) * 1e3, 3) for k, v in phases.items() if v}
+
+
 def host_profile(engine: Engine, prompt: list[int], params: dict, top: int = 25) -> list:
     """cProfile of the in-block steps of one request: (function, cumulative ms per step)."""
     r = engine.runner
@@ -111,6 +158,7 @@ def main() -> None:
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     device_us = sum(e.self_device_time_total for e in events) / n
     host = host_profile(engine, prompt, params)
+    phases = host_phases(engine, prompt, params)
     bw = copy_bandwidth(dev) / 1e9
     floor_ms = weight_bytes / (bw * 1e9) * 1e3
     kernels = sorted(events, key=lambda e: -e.self_device_time_total)[:30]
@@ -128,6 +176,7 @@ def main() -> None:
         "weights_gb": round(weight_bytes / 1e9, 3),
         "copy_bandwidth_gbs": round(bw, 1),
         "weight_read_floor_ms": round(floor_ms, 3),
+        "host_phases_ms": phases,
         "host_top_cumulative": host,
         "top_kernels": [
             {

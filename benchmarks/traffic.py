@@ -152,8 +152,17 @@ class GpuSampler:
 
 
 # ---- targets -----------------------------------------------------------------------------
-def drive_engine(engine, prompts: list[list[int]], params: dict, arrivals: list[float]):
-    """Feed requests to the engine at their arrival times, stepping it in between."""
+def drive_engine(
+    engine,
+    prompts: list[list[int]],
+    params: dict,
+    arrivals: list[float],
+    steps: list[dict] | None = None,
+):
+    """Feed requests to the engine at their arrival times, stepping it in between. With
+    `steps`, append each step's start, wall time, rows, packed tokens and graph captures
+    (where a staggered round's time goes)."""
+    runner = engine.runner
     order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
     traces = [Trace(arrivals[i]) for i in range(len(prompts))]
     ids: dict[str, int] = {}
@@ -168,8 +177,22 @@ def drive_engine(engine, prompts: list[list[int]], params: dict, arrivals: list[
         if not engine.has_unfinished():
             time.sleep(max(0.0, arrivals[order[nxt]] - now))
             continue
+        tokens0 = runner.work["tokens"]
+        captures0 = runner.graphs.captures if runner.graphs is not None else 0
         outs = engine.step()
-        now = time.perf_counter() - t0
+        after = time.perf_counter() - t0
+        if steps is not None:
+            steps.append(
+                {
+                    "t": round(now, 5),
+                    "wall_ms": round((after - now) * 1e3, 3),
+                    "rows": engine.last_step_rows,
+                    "tokens": runner.work["tokens"] - tokens0,
+                    "captures": (runner.graphs.captures if runner.graphs is not None else 0)
+                    - captures0,
+                }
+            )
+        now = after
         for o in outs:
             tr = traces[ids[o.request_id]]
             if o.delta_text and tr.first_text is None:
@@ -258,12 +281,20 @@ def build_engine(args, max_rows: int):
             max_rows=max_rows,
             max_canvas=CANVAS,
             max_step_tokens=1 << 30,
+            **graph_limit(args),
         )
         return Engine(cfg, loaded=lm), torch
     from dlm_triton.settings import ASSETS_DIR
 
     model = str(ASSETS_DIR / "tiny-dlm") if args.model == "tiny-dlm" else args.model
-    return Engine(EngineConfig(model=model, device=args.device, max_rows=max_rows)), torch
+    cfg = EngineConfig(model=model, device=args.device, max_rows=max_rows, **graph_limit(args))
+    return Engine(cfg), torch
+
+
+def graph_limit(args) -> dict:
+    """The engine's cuda_graph_max_tokens when --graph-max-tokens is given."""
+    n = args.graph_max_tokens
+    return {} if n is None else {"cuda_graph_max_tokens": n}
 
 
 def workload(args, engine, n: int, rng: random.Random):
@@ -314,6 +345,13 @@ def main() -> None:
         help="run each arrival process once untimed first (a server that has captured its "
         "CUDA graphs for the shapes staggered arrivals produce, as a warmed-up one would)",
     )
+    ap.add_argument(
+        "--graph-max-tokens",
+        type=int,
+        default=None,
+        help="the engine's cuda_graph_max_tokens (steps feeding whole sequences with more packed tokens run eagerly; "
+        "0 captures every shape); default: the engine's",
+    )
     ap.add_argument("--slo-factor", type=float, default=2.0, help="SLO = factor x e2e alone")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="traffic_out")
@@ -359,6 +397,7 @@ def start_server(args, max_rows: int, out: Path):
     params = {"max_rows": str(max_rows)}
     if random_weights:
         params["max_canvas"] = str(CANVAS)
+    params.update({k: str(v) for k, v in graph_limit(args).items()})
     server = TritonServerProcess(
         model,
         device=args.device,
@@ -381,7 +420,8 @@ def run_settings(args, ns: list[int], engine, torch, peak, url: str | None, name
 
     header = (
         f"target={args.target} model={args.model} device={device_name(args.device)} "
-        f"arrivals={args.arrivals} slo=factor {args.slo_factor} x the request's latency alone"
+        f"graph_max_tokens={args.graph_max_tokens} arrivals={args.arrivals} "
+        f"slo=factor {args.slo_factor} x the request's latency alone"
     )
     print(header, flush=True)
     rows: list[RoundResult] = []
@@ -394,9 +434,9 @@ def run_settings(args, ns: list[int], engine, torch, peak, url: str | None, name
         prompts, msgs, params = workload(args, engine, n, rng)
         params = dict(params, cache=cache)
 
-        def run(arr: list[float], k: int = n, p=prompts, m=msgs, par=params):
+        def run(arr: list[float], k: int = n, p=prompts, m=msgs, par=params, log=None):
             if args.target == "engine":
-                return drive_engine(engine, p[:k], par, arr)
+                return drive_engine(engine, p[:k], par, arr, log)
             if args.target == "triton":
                 return drive_threads(triton_sender(url, name, p, m, par), k, arr)
             return drive_threads(proxy_sender(url, name, m, par), k, arr)
@@ -414,10 +454,15 @@ def run_settings(args, ns: list[int], engine, torch, peak, url: str | None, name
             work0 = dict(engine.runner.work) if engine else None
             graphs = engine.runner.graphs if engine else None
             captures0 = graphs.captures if graphs else 0
+            log: list[dict] | None = [] if engine is not None else None
             with GpuSampler() as gpu:
-                traces, wall = run(arr)
+                traces, wall = run(arr, log=log)
             s = summarise(traces, wall, slo)
             row = RoundResult(args.target, cache, n, spec, slo, gpu_util=gpu.mean, **s)
+            if log is not None:
+                row.extra["steps"] = step_summary(log, wall)
+                log_file = f"steps_{cache}_n{n}_w{wait}_{spec.replace(':', '-')}.json"
+                (Path(args.out) / log_file).write_text(json.dumps(log))
             row.extra["phase_wait_steps"] = engine.scheduler.phase_wait_steps if engine else None
             row.extra["graph_captures"] = (graphs.captures - captures0) if graphs else None
             if spec == "all":
@@ -435,6 +480,26 @@ def run_settings(args, ns: list[int], engine, torch, peak, url: str | None, name
     return rows, header
 
 
+def step_summary(log: list[dict], wall: float) -> dict:
+    """Where an engine round's wall time went: steps by batch size, steps that captured a
+    graph, and time with no step running (waiting for arrivals, the driver's own work)."""
+    by_rows: dict[int, list[float]] = {}
+    for e in log:
+        by_rows.setdefault(e["rows"], []).append(e["wall_ms"])
+    stepping = sum(e["wall_ms"] for e in log) / 1e3
+    return {
+        "steps": len(log),
+        "stepping_s": round(stepping, 3),
+        "outside_steps_s": round(wall - stepping, 3),
+        "capture_steps_s": round(sum(e["wall_ms"] for e in log if e["captures"]) / 1e3, 3),
+        "mean_rows": round(statistics.fmean(e["rows"] for e in log), 2) if log else 0,
+        "ms_by_rows": {
+            r: {"steps": len(w), "median_ms": round(statistics.median(w), 2)}
+            for r, w in sorted(by_rows.items())
+        },
+    }
+
+
 def format_row(r: RoundResult) -> str:
     def f(x: float | None, spec: str = ".2f") -> str:
         return "-" if x is None else format(x, spec)
@@ -447,6 +512,12 @@ def format_row(r: RoundResult) -> str:
         f"{r.e2e_p50:.3f}/{r.e2e_p95:.3f}/{r.e2e_p99:.3f} failed={r.failed} "
         f"gpu={f(r.gpu_util, '.0f')}% peak={f(r.pct_peak, '.1f')}% "
         f"captures={r.extra.get('graph_captures')}"
+        + (
+            f" steps={st['steps']} stepping={st['stepping_s']}s outside={st['outside_steps_s']}s"
+            f" capturing={st['capture_steps_s']}s rows~{st['mean_rows']}"
+            if (st := r.extra.get("steps"))
+            else ""
+        )
     )
 
 

@@ -27,6 +27,12 @@ class EngineConfig:
     phase_wait_steps: int = 8
     cuda_graphs: bool = True  # replay captured graphs for the forwards on CUDA devices
     max_cuda_graphs: int = 96  # shapes kept captured (one shared activation pool)
+    # a step that feeds whole sequences (exact rows, cached rows at a block start) over more
+    # packed tokens than this runs eagerly instead of capturing a graph: it is bound by the
+    # GPU's arithmetic, so a graph saves it little, while a capture costs ~0.25 s on an 8B
+    # model and such shapes (rows x lengths) rarely repeat; in-block steps always use graphs;
+    # 0 = capture every shape (docs/benchmarks.md, "Graph captures under staggered arrivals")
+    cuda_graph_max_tokens: int = 512
     fused_kernels: bool = True  # torch.compile the elementwise pieces on CUDA devices
     # issue 16: block-diffusion rows keep their keys/values in pages of one pool
     # (dlm_engine/paged_kv.py). Tokens it holds; 0 = automatic: on CUDA the share
@@ -50,7 +56,12 @@ class EngineConfig:
         ):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1")
-        for name in ("kv_cache_tokens", "prefix_cache_tokens"):
+        for name in (
+            "kv_cache_tokens",
+            "prefix_cache_tokens",
+            "phase_wait_steps",
+            "cuda_graph_max_tokens",
+        ):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"EngineConfig.{name} must be >= 0")
         if not 0.0 < float(self.kv_cache_memory_fraction) <= 1.0:

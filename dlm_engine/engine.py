@@ -59,6 +59,7 @@ class Engine:
             max_rows=config.max_rows,
             cuda_graphs=config.cuda_graphs,
             max_cuda_graphs=config.max_cuda_graphs,
+            cuda_graph_max_tokens=config.cuda_graph_max_tokens,
             fused_kernels=config.fused_kernels,
         )
         self.scheduler = Scheduler(

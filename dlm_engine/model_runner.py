@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .block_pages import BlockPages
-from .cuda_graphs import GraphCache, round_up
+from .cuda_graphs import GraphCache, round_up, worth_a_graph
 from .decoding import RowDecode, RowIndex, propose, select_transfers
 from .decoding.commit_rules import CommitPlan, row_rule
 from .decoding.constraints import ConstrainedStep, ConstraintRuntime
@@ -26,9 +26,10 @@ from .kv_cache import KVPool
 from .models.common import FusedKernels
 from .paged_kv import PagePool, page_size, pool_pages
 from .prefix_cache import PrefixCache
-from .ragged import RowQuery, packed_forward_fn, plan_packed
+from .ragged import Layout, RowQuery, packed_forward_fn, plan_packed
 from .row_guard import RowGuard
 from .sequence import Sequence
+from .staging import to_device
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class ModelRunner:
         max_rows: int = 16,
         cuda_graphs: bool = True,
         max_cuda_graphs: int = 96,
+        cuda_graph_max_tokens: int = 0,
         fused_kernels: bool = True,
     ) -> None:
         self.model = model
@@ -62,6 +64,8 @@ class ModelRunner:
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         use_graphs = cuda_graphs and device.type == "cuda" and max_cuda_graphs > 0
         self.graphs = GraphCache(device, max_cuda_graphs) if use_graphs else None
+        self.graph_max_tokens = cuda_graph_max_tokens  # larger steps run eagerly (0: none do)
+        self.eager_steps = 0  # forwards run eagerly although graphs are on (too many tokens)
         if device.type == "cuda" and fused_kernels:
             FusedKernels.enabled = True
         self.length_multiple = 32 if self.graphs is not None else 1
@@ -79,8 +83,18 @@ class ModelRunner:
         self.block_pages: BlockPages | None = None
 
     # ---- the forward ------------------------------------------------------------------------
-    def _run(self, key: tuple, fn, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        if self.graphs is not None:
+    def _graphed(self, packed_tokens: int, layout: Layout) -> bool:
+        """Replay a graph for this forward (`worth_a_graph` says when not to)?"""
+        if self.graphs is None:
+            return False
+        whole = any(group == "fresh" for group, *_ in layout)
+        if worth_a_graph(packed_tokens, whole, self.graph_max_tokens):
+            return True
+        self.eager_steps += 1
+        return False
+
+    def _run(self, key: tuple, fn, inputs: dict[str, torch.Tensor], layout: Layout) -> torch.Tensor:
+        if self._graphed(inputs["ids"].shape[1], layout):
             try:
                 return self.graphs.run(key, fn, inputs)
             except RuntimeError as exc:  # e.g. a quantized kernel that cannot be captured
@@ -154,7 +168,7 @@ class ModelRunner:
         self.work["logit_positions"] += plan.rows * width
         fn = packed_forward_fn(self.model, pool, width, plan.layout, pages)
         key = ("packed", self._pool_id(), width, plan.layout)
-        hidden = self._run(key, fn, plan.inputs)[: plan.rows]
+        hidden = self._run(key, fn, plan.inputs, plan.layout)[: plan.rows]
         for s in blocks:  # a prefill: its whole prompt pages are final now, index them
             if not s.forwards:
                 self.block_pages.prefilled(s)
@@ -163,10 +177,8 @@ class ModelRunner:
         current = plan.inputs["ids"][0][plan.current_index[:b]]
         cfg = [i for i, s in enumerate(seqs) if s.params.cfg_scale > 0]
         if cfg:
-            sel = torch.tensor(cfg, device=self.device)
-            scale = torch.tensor(
-                [seqs[i].params.cfg_scale for i in cfg], device=self.device, dtype=logits.dtype
-            )
+            sel = to_device(cfg, self.device)
+            scale = to_device([seqs[i].params.cfg_scale for i in cfg], self.device, logits.dtype)
             cond, uncond = logits[sel], logits[b:]
             logits = logits[:b].clone()
             logits[sel] = uncond + (scale[:, None, None] + 1) * (cond - uncond)
@@ -270,8 +282,11 @@ class ModelRunner:
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
         """Run one step for all rows; returns each row's window after this step's commits."""
         dev = self.device
-        # every small host-to-device tensor before the forward is queued (no waits after)
-        widths = torch.tensor([s.window_width for s in seqs], device=dev)
+        # the forward first: everything below only reads its logits, and every small tensor
+        # it builds is staged through pinned memory (no host wait), so the host prepares the
+        # commit while the device runs the forward instead of the device waiting for the host
+        logits, current = self._window_logits(seqs)
+        widths = to_device([s.window_width for s in seqs], dev)
         rows = [
             RowDecode(
                 width=s.window_width,
@@ -294,7 +309,6 @@ class ModelRunner:
         from .decoding.logprobs import LogprobStep  # issue 17
 
         logprobs = LogprobStep.build(seqs, dev)  # issue 17: only rows that ask
-        logits, current = self._window_logits(seqs)
         if logprobs:  # before anything below edits the logits in place
             logprobs.capture(logits)
         if constrained:  # grammar rows: masks on the CPU while the forward runs, then in order

@@ -28,6 +28,9 @@ ENV_OVERRIDES = {
     "kv_cache_tokens": "DLM_KV_CACHE_TOKENS",
     "kv_cache_memory_fraction": "DLM_KV_CACHE_MEMORY_FRACTION",
     "prefix_cache_tokens": "DLM_PREFIX_CACHE_TOKENS",
+    # scheduling and graph capture (dlm_engine/config.py says what each does)
+    "phase_wait_steps": "DLM_PHASE_WAIT_STEPS",
+    "cuda_graph_max_tokens": "DLM_CUDA_GRAPH_MAX_TOKENS",
 }
 # unset: the engine's defaults (EngineConfig)
 INT_KEYS = (
@@ -37,8 +40,16 @@ INT_KEYS = (
     "max_queue",
     "kv_cache_tokens",
     "prefix_cache_tokens",
+    "phase_wait_steps",
+    "cuda_graph_max_tokens",
 )
-OPTIONAL_KEYS = ("kv_cache_tokens", "kv_cache_memory_fraction", "prefix_cache_tokens")
+OPTIONAL_KEYS = (
+    "kv_cache_tokens",
+    "kv_cache_memory_fraction",
+    "prefix_cache_tokens",
+    "phase_wait_steps",
+    "cuda_graph_max_tokens",
+)
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "dlm_engine" / "assets"
 
 
@@ -56,6 +67,8 @@ class InstanceSettings:
     kv_cache_tokens: int | None = None  # None: EngineConfig's default
     kv_cache_memory_fraction: float | None = None
     prefix_cache_tokens: int | None = None
+    phase_wait_steps: int | None = None
+    cuda_graph_max_tokens: int | None = None
 
 
 def config_parameters(model_config: dict) -> dict[str, str]:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..staging import to_device
+
 RANK, THRESHOLD, FACTOR, ENTROPY, LEAP, SEQUENTIAL, DYNAMIC, BOUNDED, JOINT, MULTI_BD = range(10)
 _CODES = {
     "factor": FACTOR,
@@ -73,25 +75,25 @@ class RowRule:
 
 def _idx(rows: list[RowRule], pred, device: torch.device) -> torch.Tensor | None:
     sel = [i for i, r in enumerate(rows) if pred(r)]
-    return torch.tensor(sel, device=device) if sel else None
+    return to_device(sel, device) if sel else None
 
 
 class CommitPlan:
-    """Device tensors of every row's rule, built before the forward is queued (made after it,
-    they would make the host wait for the GPU)."""
+    """Device tensors of every row's rule, staged through pinned memory (dlm_engine/staging.py)
+    so they can be built while the step's forward runs without the host waiting for it."""
 
     def __init__(self, rows: list[RowRule], device: torch.device) -> None:
         f64 = torch.float64
         self.rows = rows
-        self.code = torch.tensor([r.code for r in rows], device=device)
-        self.k = torch.tensor([r.k for r in rows], device=device)
-        self.threshold = torch.tensor([r.threshold for r in rows], device=device, dtype=f64)
-        self.factor = torch.tensor([r.factor for r in rows], device=device, dtype=f64)
-        self.anchor = torch.tensor([r.anchor for r in rows], device=device, dtype=f64)
-        self.neighbor = torch.tensor([r.neighbor for r in rows], device=device, dtype=f64)
-        self.radius = torch.tensor([r.radius for r in rows], device=device)
-        self.strict = torch.tensor([r.strict for r in rows], device=device)
-        self.keep_best = torch.tensor([r.keep_best for r in rows], device=device)
+        self.code = to_device([r.code for r in rows], device)
+        self.k = to_device([r.k for r in rows], device)
+        self.threshold = to_device([r.threshold for r in rows], device, f64)
+        self.factor = to_device([r.factor for r in rows], device, f64)
+        self.anchor = to_device([r.anchor for r in rows], device, f64)
+        self.neighbor = to_device([r.neighbor for r in rows], device, f64)
+        self.radius = to_device([r.radius for r in rows], device)
+        self.strict = to_device([r.strict for r in rows], device)
+        self.keep_best = to_device([r.keep_best for r in rows], device)
         self.ent64 = _idx(rows, lambda r: r.code == ENTROPY and r.entropy_f64, device)
         self.bounded = _idx(rows, lambda r: r.code == BOUNDED, device)
         self.ent_low = _idx(rows, lambda r: r.code == ENTROPY and not r.entropy_f64, device)
@@ -101,20 +103,20 @@ class CommitPlan:
         self.any_block = any(r.code in (SEQUENTIAL, DYNAMIC, BOUNDED, JOINT) for r in rows)
         self.joint = _idx(rows, lambda r: r.code == JOINT, device)
         if self.joint is not None:
-            self.edit = torch.tensor([r.edit for r in rows], device=device, dtype=f64)
+            self.edit = to_device([r.edit for r in rows], device, f64)
         self.mbd = _idx(rows, lambda r: r.code == MULTI_BD, device)
         if self.mbd is not None:  # per row: block length, offset, forced flag per block
             specs = [r.blocks for r in rows if r.code == MULTI_BD]
             n = max(len(f) for _, _, f in specs)
-            self.mbd_len = torch.tensor([b for b, _, _ in specs], device=device)
-            self.mbd_off = torch.tensor([o for _, o, _ in specs], device=device)
+            self.mbd_len = to_device([b for b, _, _ in specs], device)
+            self.mbd_off = to_device([o for _, o, _ in specs], device)
             forced = [list(f) + [False] * (n - len(f)) for _, _, f in specs]
-            self.mbd_forced = torch.tensor(forced, dtype=torch.bool, device=device)
+            self.mbd_forced = to_device(forced, device, torch.bool)
         self.forced = _idx(rows, lambda r: r.forced is not None, device)
         if self.forced is not None:
             spans = [r.forced for r in rows if r.forced is not None]
-            self.forced_lo = torch.tensor([s[0] for s in spans], device=device)
-            self.forced_hi = torch.tensor([s[1] for s in spans], device=device)
+            self.forced_lo = to_device([s[0] for s in spans], device)
+            self.forced_hi = to_device([s[1] for s in spans], device)
 
     @property
     def simple(self) -> bool:

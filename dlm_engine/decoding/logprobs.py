@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..staging import to_device
+
 if TYPE_CHECKING:
     from ..sequence import Sequence
 
@@ -34,16 +36,16 @@ class TokenLogprob:
 
 
 class LogprobStep:
-    """The rows of one step that record log-probabilities; built before the forward is queued
-    (its index tensors would otherwise wait for the GPU)."""
+    """The rows of one step that record log-probabilities (index tensors staged: built while
+    the forward runs, no host wait)."""
 
     def __init__(self, seqs: list[Sequence], device: torch.device) -> None:
         self.rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         self.seqs = [seqs[i] for i in self.rows]
         self.top_n = max((s.params.logprobs or 0 for s in self.seqs), default=0)
-        self.sel = torch.tensor(self.rows, device=device)
+        self.sel = to_device(self.rows, device)
         temps = [s.params.temperature if s.params.temperature > 0 else 1.0 for s in self.seqs]
-        self.inv_temp = 1.0 / torch.tensor(temps, dtype=torch.float32, device=device)
+        self.inv_temp = 1.0 / to_device(temps, device, torch.float32)
         self._logits: torch.Tensor | None = None
         self._lse: torch.Tensor | None = None
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..reference import top_k_logits, top_p_logits
 from ..row_guard import RowGuard
+from ..staging import to_device
 
 
 @dataclass
@@ -42,8 +43,8 @@ def _margin(probs: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class RowIndex:
-    """Device index tensors of the rows that need special handling, built before the forward
-    is launched: creating them afterwards would make the host wait for the GPU."""
+    """Device index tensors of the rows that need special handling (staged: built while the
+    forward runs, no host wait)."""
 
     suppress: torch.Tensor | None
     margin: torch.Tensor | None
@@ -54,14 +55,14 @@ class RowIndex:
     def build(cls, rows: list[RowDecode], device: torch.device) -> RowIndex:
         def idx(pred) -> torch.Tensor | None:
             sel = [i for i, r in enumerate(rows) if pred(r)]
-            return torch.tensor(sel, device=device) if sel else None
+            return to_device(sel, device) if sel else None
 
         return cls(
             suppress=idx(lambda r: r.suppress_eos),
             margin=idx(lambda r: r.algorithm == "topk_margin"),
             entropy=idx(lambda r: r.algorithm == "entropy"),
-            keep_best=torch.tensor(
-                [r.algorithm not in ("topk_margin", "entropy") for r in rows], device=device
+            keep_best=to_device(
+                [r.algorithm not in ("topk_margin", "entropy") for r in rows], device
             ),
         )
 

@@ -143,6 +143,28 @@ def test_kv_pool_settings_parse_and_default_to_the_engine() -> None:
         resolve_settings({"checkpoint": "x", "kv_cache_memory_fraction": "half"}, environ={})
 
 
+def test_scheduling_settings_reach_the_engine_config() -> None:
+    """phase_wait_steps and cuda_graph_max_tokens: parameter or env, typed, unset = the
+    engine's default; every optional setting is an EngineConfig field (else it is dropped)."""
+    from dataclasses import fields
+
+    from dlm_engine import EngineConfig
+    from dlm_triton.settings import OPTIONAL_KEYS
+
+    s = resolve_settings(
+        {"checkpoint": "x", "phase_wait_steps": "0"},
+        environ={"DLM_CUDA_GRAPH_MAX_TOKENS": "1024"},
+    )
+    assert (s.phase_wait_steps, s.cuda_graph_max_tokens) == (0, 1024)
+    unset = resolve_settings({"checkpoint": "x"}, environ={})
+    assert unset.phase_wait_steps is unset.cuda_graph_max_tokens is None
+    assert set(OPTIONAL_KEYS) <= {f.name for f in fields(EngineConfig)}
+    with pytest.raises(ValueError, match="phase_wait_steps"):
+        resolve_settings({"checkpoint": "x", "phase_wait_steps": "many"}, environ={})
+    with pytest.raises(ValueError, match="cuda_graph_max_tokens"):
+        EngineConfig(model="x", cuda_graph_max_tokens=-1)
+
+
 def test_checkpoint_names_resolve_to_embedded_assets(tmp_path) -> None:
     from dlm_triton.settings import ASSETS_DIR, resolve_checkpoint
 
