@@ -28,11 +28,12 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay captured graphs for the forwards on CUDA devices
     max_cuda_graphs: int = 96  # shapes kept captured (one shared activation pool)
     # a step that feeds whole sequences (exact rows, cached rows at a block start) over more
-    # packed tokens than this runs eagerly instead of capturing a graph: it is bound by the
-    # GPU's arithmetic, so a graph saves it little, while a capture costs ~0.25 s on an 8B
-    # model and such shapes (rows x lengths) rarely repeat; in-block steps always use graphs;
-    # 0 = capture every shape (docs/benchmarks.md, "Graph captures under staggered arrivals")
-    cuda_graph_max_tokens: int = 512
+    # packed tokens than this runs eagerly instead of capturing a graph: a capture costs
+    # ~0.25 s on an 8B model and such shapes (rows x lengths) rarely repeat, while past this
+    # size the GPU's arithmetic outlasts an eager forward's ~45 ms of host launches (LLaDA-8B,
+    # H100); in-block steps always replay graphs; 0 = capture every shape
+    # (docs/benchmarks.md, "CUDA graph captures under staggered arrivals")
+    cuda_graph_max_tokens: int = 1536
     fused_kernels: bool = True  # torch.compile the elementwise pieces on CUDA devices
     # issue 16: block-diffusion rows keep their keys/values in pages of one pool
     # (dlm_engine/paged_kv.py). Tokens it holds; 0 = automatic: on CUDA the share

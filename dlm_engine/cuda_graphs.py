@@ -29,9 +29,10 @@ def bucket_rows(n: int) -> int:
 def worth_a_graph(packed_tokens: int, whole_sequences: bool, max_tokens: int) -> bool:
     """Replay (capturing first) a graph for a forward? Not for one that feeds whole sequences
     (exact rows, cached rows at a block start) over more than `max_tokens` packed tokens
-    (0: no limit): it is bound by arithmetic, not launches, its shape (rows x lengths) rarely
-    repeats, and a capture costs ~0.25 s on an 8B model (docs/benchmarks.md). In-block steps
-    have few shapes (rows x block width) and are launch-bound: always graphed."""
+    (0: no limit): past the limit the GPU's arithmetic outlasts the eager forward's host
+    launches, its shape (rows x lengths) rarely repeats, and a capture costs ~0.25 s on an 8B
+    model (docs/benchmarks.md). In-block steps have few shapes (rows x block width) and are
+    launch-bound: always graphed."""
     return not (whole_sequences and max_tokens and packed_tokens > max_tokens)
 
 

@@ -68,6 +68,9 @@ class ModelRunner:
         self.eager_steps = 0  # forwards run eagerly although graphs are on (too many tokens)
         if device.type == "cuda" and fused_kernels:
             FusedKernels.enabled = True
+        # pad plans to CUDA-graph buckets (on whenever graphs are; a test turns it on on CPU to
+        # prove that padding never changes a token)
+        self.bucket = self.graphs is not None
         self.length_multiple = 32 if self.graphs is not None else 1
         self.pool: KVPool | None = None
         self.slots: dict[str, int] = {}
@@ -158,7 +161,7 @@ class ModelRunner:
             pad_id=self.pad_id,
             device=self.device,
             pool=pool,
-            bucket=self.graphs is not None,
+            bucket=self.bucket,
             query_multiple=self.length_multiple,
             pages=pages,
         )

@@ -25,7 +25,11 @@ no weights, works per row:
 
 Index tensors (page tables included) are made on the host and copied before the forward is
 queued; the forward itself is a pure function of its inputs, so on CUDA it replays a graph
-captured per bucketed shape (packed length, rows, query width, pages per row).
+captured per bucketed shape (packed length, rows, query width, pages per row). An in-block
+step (span rows only) pads its packed length to its row bucket times its query width, so all
+row counts of one bucket share one graph (17 to 24 rows: one capture, not eight); steps that
+feed whole sequences keep the finer packed buckets (they are bound by arithmetic, and the
+largest run eagerly: `cuda_graphs.worth_a_graph`).
 """
 
 from __future__ import annotations
@@ -207,6 +211,9 @@ def plan_packed(
     offsets = torch.cumsum(qlens, 0) - qlens
     n_real = int(qlens.sum())
     n_packed = packed_bucket(n_real) if bucket else n_real
+    kinds = [q.group for q in queries]
+    if bucket and set(kinds) == {"span"}:  # an in-block step: one shape per row bucket
+        n_packed = max(n_packed, bucket_rows(n_rows) * round_up(int(qlens.max()), query_multiple))
     tail = n_packed - n_real
     pos0 = torch.tensor([q.pos0 for q in queries])
     lengths = torch.tensor([q.length for q in queries])
@@ -214,7 +221,6 @@ def plan_packed(
     flat_of_row = torch.zeros(n_rows, dtype=torch.long)  # where each row's outputs start
     base, attn_pairs = 0, 0
     layout: list[tuple[str, int, int, bool, int]] = []
-    kinds = [q.group for q in queries]
     for g in GROUPS:
         members = [i for i, kind in enumerate(kinds) if kind == g]
         if not members:

@@ -27,6 +27,6 @@ def test_zero_limit_graphs_every_shape() -> None:
 
 
 def test_the_limit_is_validated() -> None:
-    assert EngineConfig(model="x").cuda_graph_max_tokens == 512
+    assert EngineConfig(model="x").cuda_graph_max_tokens == 1536
     with pytest.raises(ValueError, match="cuda_graph_max_tokens"):
         EngineConfig(model="x", cuda_graph_max_tokens=-1)

@@ -134,3 +134,37 @@ def test_stop_strings_cut_text(engines: dict[str, Engine]) -> None:
     assert cut.finish_reason == "stop"
     assert cut.text == base.text[: base.text.index(stop)]
     assert cut.steps <= base.steps
+
+
+CACHED_LLADA = [
+    dict(max_tokens=32, steps=16, block_length=8, cache="dual"),
+    dict(max_tokens=32, steps=16, block_length=8, cache="dual", threshold=0.5),
+    dict(max_tokens=32, steps=16, block_length=8, cache="dual", algorithm="entropy"),
+    dict(max_tokens=24, steps=12, block_length=8, cache="prefix"),
+    dict(max_tokens=16, steps=16, block_length=8),
+]
+CACHED_DREAM = [
+    dict(max_tokens=32, steps=16, block_length=8, cache="dual"),
+    dict(max_tokens=32, steps=16, block_length=8, cache="dual", algorithm="topk_margin"),
+    dict(max_tokens=32, steps=16, block_length=8, cache="dual", threshold=0.3),
+    dict(max_tokens=16, steps=16),
+]
+
+
+def test_graph_bucket_padding_changes_no_token(engines: dict[str, Engine]) -> None:
+    """On CUDA every plan is padded to its graph bucket: pad rows, query widths rounded to 32,
+    packed tails (an in-block step of 3 cached rows runs as 4 rows of 32 queries). Turned on
+    here on CPU, batched and padded equals each request alone and unpadded."""
+    for family, cases in (("llada", CACHED_LLADA), ("dream", CACHED_DREAM)):
+        eng = engines[family]
+        prompts = _prompts(eng, len(cases))
+        alone = [_key(eng.generate([p], c)[0]) for p, c in zip(prompts, cases, strict=True)]
+        runner = eng.runner
+        runner.bucket, runner.length_multiple = True, 32
+        try:
+            padded = [_key(o) for o in eng.generate(prompts, cases)]
+            in_phase = [_key(o) for o in eng.generate(prompts[:3], cases[:3])]
+        finally:
+            runner.bucket, runner.length_multiple = False, 1
+        assert padded == alone, family
+        assert in_phase == alone[:3], family
