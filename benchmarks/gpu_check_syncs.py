@@ -65,8 +65,8 @@ def record(engine: Engine, batch: list[dict]) -> list[tuple[str, str]]:
     seen: list[tuple[str, str]] = []
     orig_run = runner._run
 
-    def run(key, fn, inputs):
-        out = orig_run(key, fn, inputs)
+    def run(*args, **kwargs):
+        out = orig_run(*args, **kwargs)
         phase[0] = "after forward"
         return out
 
