@@ -44,31 +44,40 @@ def in_block_steps(engine: Engine, prompt: list[int], params: dict) -> list[floa
 
 
 def host_phases(engine: Engine, prompt: list[int], params: dict) -> dict[str, float]:
-    """Median ms per in-block step of the host's three stretches: from the step's start to the
-    forward's graph being launched (the device idles for most of it), from the launch to the
-    runner's one device-to-host copy returning (the device works), and from there to the
-    step's end (outputs, detokenization, retiring; the device idles)."""
+    """Median ms per in-block step of the host's stretches: the engine's own work before the
+    runner plans (admission, queries), the packed plan (index tensors and their copies), from
+    the plan to the graph's replay (static-input copies), the replay call itself, from there to
+    the runner's one device-to-host copy returning (decoding kernels queued, then the wait for
+    the device), and after the copy (outputs, detokenization). The device idles through the
+    stretches before the replay and after the copy."""
+    import dlm_engine.model_runner as model_runner
+
     r = engine.runner
     marks: dict[str, float] = {}
-    graphs, run_step = r.graphs, r.step
+    run_step, plan = r.step, model_runner.plan_packed
+    replay = torch.cuda.CUDAGraph.replay
 
     def timed_step(seqs):
         out = run_step(seqs)
         marks["copied"] = time.perf_counter()
         return out
 
-    r.step = timed_step
-    if graphs is not None:
-        replay = graphs.run
+    def timed_plan(*a, **k):
+        marks["plan0"] = time.perf_counter()
+        out = plan(*a, **k)
+        marks["plan1"] = time.perf_counter()
+        return out
 
-        def timed_run(*a, **k):
-            out = replay(*a, **k)
-            marks["launched"] = time.perf_counter()
-            return out
+    def timed_replay(graph):
+        marks["replay0"] = time.perf_counter()
+        replay(graph)
+        marks["replay1"] = time.perf_counter()
 
-        graphs.run = timed_run
+    r.step, model_runner.plan_packed = timed_step, timed_plan
+    torch.cuda.CUDAGraph.replay = timed_replay
     engine.add_request("phased", prompt, params)
-    phases: dict[str, list[float]] = {"to_launch": [], "launch_to_copy": [], "after_copy": []}
+    stretches = ("engine", "plan", "to_replay", "replay", "to_copy", "after_copy")
+    phases: dict[str, list[float]] = {k: [] for k in stretches}
     try:
         while engine.has_unfinished():
             before = r.span_steps
@@ -78,15 +87,16 @@ def host_phases(engine: Engine, prompt: list[int], params: dict) -> dict[str, fl
             t = time.perf_counter()
             engine.step()
             end = time.perf_counter()
-            if r.span_steps > before and "copied" in marks:
-                launched = marks.get("launched", t)
-                phases["to_launch"].append(launched - t)
-                phases["launch_to_copy"].append(marks["copied"] - launched)
-                phases["after_copy"].append(end - marks["copied"])
+            if r.span_steps > before and {"copied", "plan0"} <= marks.keys():
+                r0 = marks.get("replay0", marks["plan1"])
+                r1 = marks.get("replay1", r0)
+                edges = (t, marks["plan0"], marks["plan1"], r0, r1, marks["copied"], end)
+                for name, a, b in zip(stretches, edges, edges[1:], strict=False):
+                    phases[name].append(b - a)
     finally:
         del r.step
-        if graphs is not None:
-            del graphs.run
+        model_runner.plan_packed = plan
+        torch.cuda.CUDAGraph.replay = replay
     return {k: round(statistics.median(v) * 1e3, 3) for k, v in phases.items() if v}
 
 

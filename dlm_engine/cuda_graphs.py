@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +45,10 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: Inputs
     out: torch.Tensor
+    # the tensor each static input was last copied from: a step that reuses its plan passes
+    # the same index tensors again (never written after they are made), so only its new
+    # tokens need a copy
+    fed: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class GraphCache:
@@ -81,7 +85,9 @@ class GraphCache:
             entry = self._capture(full_key, fn, inputs)
         self.graphs.move_to_end(full_key)
         for name, value in inputs.items():
-            entry.inputs[name].copy_(value)
+            if entry.fed.get(name) is not value:
+                entry.inputs[name].copy_(value)
+                entry.fed[name] = value
         entry.graph.replay()
         return entry.out
 

@@ -296,12 +296,37 @@ def plan_packed(
         )
     inputs["logits_index"] = logits_index.reshape(1, -1)
     moved = {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
+    moved["ids"] = packed_ids(queries, tail, pad_id)
+    current = window(0).to(device, non_blocking=True)
+    return PackedPlan(moved, current, tuple(layout), n_rows, n_real, attn_pairs)
+
+
+def packed_ids(queries: list[RowQuery], tail: int, pad_id: int) -> torch.Tensor:
+    """The packed query tokens [1, N] (a device op over the rows' own token tensors)."""
     ids = torch.cat([q.tokens for q in queries])
     if tail:
         ids = torch.cat([ids, ids.new_full((tail,), pad_id)])
-    moved["ids"] = ids[None]
-    current = window(0).to(device, non_blocking=True)
-    return PackedPlan(moved, current, tuple(layout), n_rows, n_real, attn_pairs)
+    return ids[None]
+
+
+def plan_key(queries: list[RowQuery]) -> tuple | None:
+    """What a plan's index tensors are a function of, beyond the step's settings (width,
+    pool, bucketing): per row its query length, positions, window and slot. Equal keys, equal
+    index tensors, so a step whose rows did not move (a cached in-block step: only tokens
+    change) reuses the last plan and feeds new tokens. None for block-diffusion rows, whose
+    page tables grow between steps."""
+    if any(q.block for q in queries):
+        return None
+    return tuple((q.tokens.numel(), q.pos0, q.length, q.window_start, q.slot) for q in queries)
+
+
+def with_new_tokens(plan: PackedPlan, queries: list[RowQuery], pad_id: int) -> PackedPlan:
+    """`plan` (made for rows with the same `plan_key`) over these rows' current tokens."""
+    tail = plan.inputs["ids"].shape[1] - plan.tokens
+    inputs = {**plan.inputs, "ids": packed_ids(queries, tail, pad_id)}
+    return PackedPlan(
+        inputs, plan.current_index, plan.layout, plan.rows, plan.tokens, plan.attn_pairs
+    )
 
 
 def _plan_block(

@@ -410,3 +410,21 @@ def block_reference(engine: Any, prompt: list[int], params: dict[str, Any]) -> l
     out = block_reference_run(engine, prompt, params).tokens.tolist()[:max_tokens]
     stop = next((i for i, t in enumerate(out) if t in engine.stop_ids), None)
     return out if stop is None else out[:stop]
+
+
+class EagerGraphs:
+    """Stands in for `cuda_graphs.GraphCache` on CPU: with it the runner pads every input to
+    its CUDA-graph bucket (rows, query width, packed length, pages), as on a GPU; this runs
+    the forward eagerly and keeps the input shapes it was given, so tests can prove that the
+    padding changes no token."""
+
+    def __init__(self) -> None:
+        self.shapes: list[dict[str, tuple[int, ...]]] = []
+        self.captures = 0
+
+    def run(self, key: Any, fn: Any, inputs: dict[str, Any]) -> Any:
+        self.shapes.append({n: tuple(t.shape) for n, t in inputs.items()})
+        return fn(inputs)
+
+    def clear(self) -> None:
+        pass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dlm_engine import Engine, RequestOutput
 from dlm_engine.testing import SAMPLE_PROMPTS as PROMPTS
+from dlm_engine.testing import EagerGraphs
 
 MIXED_LLADA = [
     dict(max_tokens=32, steps=32, block_length=8),
@@ -160,11 +161,33 @@ def test_graph_bucket_padding_changes_no_token(engines: dict[str, Engine]) -> No
         prompts = _prompts(eng, len(cases))
         alone = [_key(eng.generate([p], c)[0]) for p, c in zip(prompts, cases, strict=True)]
         runner = eng.runner
-        runner.bucket, runner.length_multiple = True, 32
+        graphs = EagerGraphs()
+        runner.graphs, runner.length_multiple = graphs, 32
         try:
             padded = [_key(o) for o in eng.generate(prompts, cases)]
             in_phase = [_key(o) for o in eng.generate(prompts[:3], cases[:3])]
         finally:
-            runner.bucket, runner.length_multiple = False, 1
+            runner.graphs, runner.length_multiple = None, 1
         assert padded == alone, family
         assert in_phase == alone[:3], family
+        # the in-block steps of 3 rows ran as 4 rows of 32 queries: 128 packed tokens
+        span3 = {"ids": (1, 128), "span_slots": (4,)}.items()
+        assert any(span3 <= shapes.items() for shapes in graphs.shapes), family
+
+
+def test_reused_plans_change_no_token(engines: dict[str, Engine], monkeypatch) -> None:
+    """A step whose rows did not move (cached rows inside a block) reuses the last step's
+    index tensors and feeds only new tokens (dlm_engine/ragged.py `plan_key`): the same
+    tokens as planning every step afresh, alone and batched with unlike rows."""
+    import dlm_engine.model_runner as model_runner
+
+    for family, cases in (("llada", CACHED_LLADA), ("dream", CACHED_DREAM)):
+        eng = engines[family]
+        prompts = _prompts(eng, len(cases))
+        reuses = eng.runner.plan_reuses
+        reused = [_key(o) for o in eng.generate(prompts, cases)]
+        assert eng.runner.plan_reuses > reuses, family  # in-block steps did reuse their plan
+        with monkeypatch.context() as m:
+            m.setattr(model_runner, "plan_key", lambda queries: None)
+            planned = [_key(o) for o in eng.generate(prompts, cases)]
+        assert reused == planned, family

@@ -317,26 +317,11 @@ def test_a_match_is_cut_to_whole_blocks_of_the_request(sdar: Engine) -> None:
     assert _finish(engine) == {rid: _sdar_reference(engine, b, case)}
 
 
-class _EagerGraphs:
-    """Stands in for GraphCache on CPU: the runner pads every input to its CUDA-graph bucket,
-    this runs the forward eagerly and keeps the input shapes it was given."""
-
-    def __init__(self) -> None:
-        self.shapes: list[dict[str, tuple[int, ...]]] = []
-
-    def run(self, key, fn, inputs):
-        self.shapes.append({n: tuple(t.shape) for n, t in inputs.items()})
-        return fn(inputs)
-
-    def clear(self) -> None:
-        pass
-
-
 def test_bucketed_shapes_give_the_same_tokens(sdar: Engine) -> None:
     """The CUDA-graph path's shapes (rows, query width and pages per row padded to buckets,
     padded rows and positions on the trash page) on CPU: tokens equal the reference."""
     engine = _engine(sdar)
-    graphs = _EagerGraphs()
+    graphs = testing.EagerGraphs()
     engine.runner.graphs, engine.runner.length_multiple = graphs, 32
     prompts = [engine.encode_prompt(text=t) for t in PROMPTS[:3]]
     case = {"max_tokens": 13, "block_length": 4, "steps": 4}
