@@ -45,7 +45,8 @@ def in_block_steps(engine: Engine, prompt: list[int], params: dict) -> list[floa
 
 def host_phases(engine: Engine, prompt: list[int], params: dict) -> dict[str, float]:
     """Median ms per in-block step of the host's stretches: the engine's own work before the
-    runner plans (admission, queries), the packed plan (index tensors and their copies), from
+    runner plans (admission, queries), the packed plan (index tensors and their copies, or the
+    last step's plan over new tokens), from
     the plan to the graph's replay (static-input copies), the replay call itself, from there to
     the runner's one device-to-host copy returning (decoding kernels queued, then the wait for
     the device), and after the copy (outputs, detokenization). The device idles through the
@@ -54,7 +55,7 @@ def host_phases(engine: Engine, prompt: list[int], params: dict) -> dict[str, fl
 
     r = engine.runner
     marks: dict[str, float] = {}
-    run_step, plan = r.step, model_runner.plan_packed
+    run_step, plan, reuse = r.step, model_runner.plan_packed, model_runner.with_new_tokens
     replay = torch.cuda.CUDAGraph.replay
 
     def timed_step(seqs):
@@ -62,18 +63,22 @@ def host_phases(engine: Engine, prompt: list[int], params: dict) -> dict[str, fl
         marks["copied"] = time.perf_counter()
         return out
 
-    def timed_plan(*a, **k):
-        marks["plan0"] = time.perf_counter()
-        out = plan(*a, **k)
-        marks["plan1"] = time.perf_counter()
-        return out
+    def timed(make):  # a new plan, or the last one over new tokens (`with_new_tokens`)
+        def planned(*a, **k):
+            marks["plan0"] = time.perf_counter()
+            out = make(*a, **k)
+            marks["plan1"] = time.perf_counter()
+            return out
+
+        return planned
 
     def timed_replay(graph):
         marks["replay0"] = time.perf_counter()
         replay(graph)
         marks["replay1"] = time.perf_counter()
 
-    r.step, model_runner.plan_packed = timed_step, timed_plan
+    r.step, model_runner.plan_packed = timed_step, timed(plan)
+    model_runner.with_new_tokens = timed(reuse)
     torch.cuda.CUDAGraph.replay = timed_replay
     engine.add_request("phased", prompt, params)
     stretches = ("engine", "plan", "to_replay", "replay", "to_copy", "after_copy")
@@ -95,7 +100,7 @@ def host_phases(engine: Engine, prompt: list[int], params: dict) -> dict[str, fl
                     phases[name].append(b - a)
     finally:
         del r.step
-        model_runner.plan_packed = plan
+        model_runner.plan_packed, model_runner.with_new_tokens = plan, reuse
         torch.cuda.CUDAGraph.replay = replay
     return {k: round(statistics.median(v) * 1e3, 3) for k, v in phases.items() if v}
 
