@@ -177,8 +177,7 @@ def drive_engine(
         if not engine.has_unfinished():
             time.sleep(max(0.0, arrivals[order[nxt]] - now))
             continue
-        tokens0 = runner.work["tokens"]
-        captures0 = runner.graphs.captures if runner.graphs is not None else 0
+        tokens0, captures0 = runner.work["tokens"], graph_captures(runner)
         outs = engine.step()
         after = time.perf_counter() - t0
         if steps is not None:
@@ -188,8 +187,7 @@ def drive_engine(
                     "wall_ms": round((after - now) * 1e3, 3),
                     "rows": engine.last_step_rows,
                     "tokens": runner.work["tokens"] - tokens0,
-                    "captures": (runner.graphs.captures if runner.graphs is not None else 0)
-                    - captures0,
+                    "captures": graph_captures(runner) - captures0,
                 }
             )
         now = after
@@ -203,6 +201,11 @@ def drive_engine(
                 if tr.first_text is None:
                     tr.first_text = now
     return traces, time.perf_counter() - t0
+
+
+def graph_captures(runner) -> int:
+    """CUDA graphs the runner has captured so far (0 without graphs)."""
+    return runner.graphs.captures if runner.graphs is not None else 0
 
 
 def drive_threads(send: Callable[[int, Trace, float], None], n: int, arrivals: list[float]):
@@ -452,8 +455,7 @@ def run_settings(args, ns: list[int], engine, torch, peak, url: str | None, name
             if args.warm_arrivals and spec != "all":
                 run(arr)  # untimed: capture graphs at the shapes these arrivals produce
             work0 = dict(engine.runner.work) if engine else None
-            graphs = engine.runner.graphs if engine else None
-            captures0 = graphs.captures if graphs else 0
+            captures0 = graph_captures(engine.runner) if engine else None
             log: list[dict] | None = [] if engine is not None else None
             with GpuSampler() as gpu:
                 traces, wall = run(arr, log=log)
@@ -464,7 +466,11 @@ def run_settings(args, ns: list[int], engine, torch, peak, url: str | None, name
                 log_file = f"steps_{cache}_n{n}_w{wait}_{spec.replace(':', '-')}.json"
                 (Path(args.out) / log_file).write_text(json.dumps(log))
             row.extra["phase_wait_steps"] = engine.scheduler.phase_wait_steps if engine else None
-            row.extra["graph_captures"] = (graphs.captures - captures0) if graphs else None
+            row.extra["graph_captures"] = (
+                graph_captures(engine.runner) - captures0
+                if engine and engine.runner.graphs
+                else None
+            )
             if spec == "all":
                 saturated = n / wall
                 base_tps = row.tok_s

@@ -34,7 +34,7 @@ largest run eagerly: `cuda_graphs.worth_a_graph`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -323,10 +323,7 @@ def plan_key(queries: list[RowQuery]) -> tuple | None:
 def with_new_tokens(plan: PackedPlan, queries: list[RowQuery], pad_id: int) -> PackedPlan:
     """`plan` (made for rows with the same `plan_key`) over these rows' current tokens."""
     tail = plan.inputs["ids"].shape[1] - plan.tokens
-    inputs = {**plan.inputs, "ids": packed_ids(queries, tail, pad_id)}
-    return PackedPlan(
-        inputs, plan.current_index, plan.layout, plan.rows, plan.tokens, plan.attn_pairs
-    )
+    return replace(plan, inputs={**plan.inputs, "ids": packed_ids(queries, tail, pad_id)})
 
 
 def _plan_block(
