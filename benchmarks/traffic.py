@@ -352,8 +352,8 @@ def main() -> None:
         "--graph-max-tokens",
         type=int,
         default=None,
-        help="the engine's cuda_graph_max_tokens (steps feeding whole sequences with more packed tokens run eagerly; "
-        "0 captures every shape); default: the engine's",
+        help="the engine's cuda_graph_max_tokens (steps feeding whole sequences with more "
+        "packed tokens run eagerly; 0 captures every shape); default: the engine's",
     )
     ap.add_argument("--slo-factor", type=float, default=2.0, help="SLO = factor x e2e alone")
     ap.add_argument("--seed", type=int, default=0)

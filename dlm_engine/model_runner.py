@@ -73,7 +73,6 @@ class ModelRunner:
         use_graphs = cuda_graphs and device.type == "cuda" and max_cuda_graphs > 0
         self.graphs = GraphCache(device, max_cuda_graphs) if use_graphs else None
         self.graph_max_tokens = cuda_graph_max_tokens  # larger steps run eagerly (0: none do)
-        self.eager_steps = 0  # forwards run eagerly although graphs are on (too many tokens)
         # the last step's plan and what it was made for: an in-block step whose rows did not
         # move reuses its index tensors (ragged.plan_key; 1.2 ms of host time at batch 1 on
         # the H100), and the graph's static inputs then need only the new tokens
@@ -96,18 +95,10 @@ class ModelRunner:
         self.block_pages: BlockPages | None = None
 
     # ---- the forward ------------------------------------------------------------------------
-    def _graphed(self, packed_tokens: int, layout: Layout) -> bool:
-        """Replay a graph for this forward (`worth_a_graph` says when not to)?"""
-        if self.graphs is None:
-            return False
-        whole = any(group == "fresh" for group, *_ in layout)
-        if worth_a_graph(packed_tokens, whole, self.graph_max_tokens):
-            return True
-        self.eager_steps += 1
-        return False
-
     def _run(self, key: tuple, fn, inputs: dict[str, torch.Tensor], layout: Layout) -> torch.Tensor:
-        if self._graphed(inputs["ids"].shape[1], layout):
+        whole = any(group == "fresh" for group, *_ in layout)  # exact rows, block-start refreshes
+        graphed = worth_a_graph(inputs["ids"].shape[1], whole, self.graph_max_tokens)
+        if self.graphs is not None and graphed:
             try:
                 return self.graphs.run(key, fn, inputs)
             except RuntimeError as exc:  # e.g. a quantized kernel that cannot be captured

@@ -420,7 +420,6 @@ class EagerGraphs:
 
     def __init__(self) -> None:
         self.shapes: list[dict[str, tuple[int, ...]]] = []
-        self.captures = 0
 
     def run(self, key: Any, fn: Any, inputs: dict[str, Any]) -> Any:
         self.shapes.append({n: tuple(t.shape) for n, t in inputs.items()})
