@@ -25,11 +25,18 @@ class EngineConfig:
     # steps a waiting cached row may be held so it joins when the running cached rows refresh
     # (one forward per step instead of a refresh plus a span forward); 0 admits at once
     phase_wait_steps: int = 8
+    # an idle engine (no cached row running) that receives a cached row keeps gathering
+    # arrivals until none came for admission_gap_ms, at most admission_window_ms, so the
+    # requests of one burst start their first block together instead of the late ones waiting
+    # for the next block start (served clients reach the engine milliseconds apart: 8 gRPC
+    # streams sent "at once" landed over ~15 ms on CPU); exact rows never wait; 0 = off
+    admission_window_ms: float = 25.0
+    admission_gap_ms: float = 8.0
     cuda_graphs: bool = True  # replay captured graphs for the forwards on CUDA devices
     max_cuda_graphs: int = 96  # shapes kept captured (one shared activation pool)
     # a step that feeds whole sequences (exact rows, cached rows at a block start) over more
     # packed tokens than this runs eagerly instead of capturing a graph: a capture costs
-    # ~0.25 s on an 8B model and such shapes (rows x lengths) rarely repeat, while past this
+    # 0.05-0.2 s on an 8B model and such shapes (rows x lengths) rarely repeat, while past this
     # size the GPU's arithmetic outlasts an eager forward's ~45 ms of host launches (LLaDA-8B,
     # H100); in-block steps always replay graphs; 0 = capture every shape
     # (docs/benchmarks.md, "CUDA graph captures under staggered arrivals")
@@ -65,5 +72,8 @@ class EngineConfig:
         ):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"EngineConfig.{name} must be >= 0")
+        for name in ("admission_window_ms", "admission_gap_ms"):
+            if not 0.0 <= float(getattr(self, name)) <= 60_000.0:
+                raise ValueError(f"EngineConfig.{name} must be in [0, 60000]")
         if not 0.0 < float(self.kv_cache_memory_fraction) <= 1.0:
             raise ValueError("EngineConfig.kv_cache_memory_fraction must be in (0, 1]")

@@ -30,7 +30,7 @@ def worth_a_graph(packed_tokens: int, whole_sequences: bool, max_tokens: int) ->
     """Replay (capturing first) a graph for a forward? Not for one that feeds whole sequences
     (exact rows, cached rows at a block start) over more than `max_tokens` packed tokens
     (0: no limit): past the limit the GPU's arithmetic outlasts the eager forward's host
-    launches, its shape (rows x lengths) rarely repeats, and a capture costs ~0.25 s on an 8B
+    launches, its shape (rows x lengths) rarely repeats, and a capture costs 0.07-0.2 s on an 8B
     model (docs/benchmarks.md). In-block steps have few shapes (rows x block width) and are
     launch-bound: always graphed."""
     return not (whole_sequences and max_tokens and packed_tokens > max_tokens)
@@ -54,9 +54,13 @@ class _Captured:
 class GraphCache:
     """Captures `fn(static_inputs)` once per key and input shapes; replays it afterwards."""
 
-    def __init__(self, device: torch.device, max_graphs: int = 24) -> None:
+    def __init__(self, device: torch.device, max_graphs: int = 24, warmups: int = 1) -> None:
         self.device = device
         self.max_graphs = max_graphs
+        # eager runs before a capture, on a side stream: the first run of a new shape may
+        # compile or autotune the compiled pieces, which must not happen under capture; a
+        # second run found nothing more to do and cost ~40 ms (benchmarks/capture_cost.py)
+        self.warmups = warmups
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self.captures = 0
         # One memory pool for every captured graph: they replay one at a time on one stream,
@@ -96,7 +100,7 @@ class GraphCache:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side), torch.inference_mode():
-            for _ in range(2):  # warm up on a side stream, as capture requires
+            for _ in range(self.warmups):  # warm up on a side stream, as capture requires
                 fn(static)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()

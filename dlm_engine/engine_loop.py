@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from .engine import Engine
@@ -65,6 +66,8 @@ class EngineLoop:
         use_threads(self.torch_threads)
         while not self._stop.is_set():
             self._drain_inbox(block=not self.engine.has_unfinished())
+            if self.engine.scheduler.opens_phase():
+                self._gather_burst()
             if self._stop.is_set():
                 break
             try:
@@ -90,6 +93,25 @@ class EngineLoop:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _gather_burst(self) -> None:
+        """Before cached rows start their block phase, take the requests still arriving (until
+        none came for the admission gap, at most the admission window), so a burst's rows
+        start together (EngineConfig.admission_window_ms says why)."""
+        config = self.engine.config
+        window, gap = config.admission_window_ms / 1e3, config.admission_gap_ms / 1e3
+        if window <= 0 or gap <= 0:
+            return
+        deadline = time.monotonic() + window
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                item = self._inbox.get(timeout=min(gap, left))
+            except queue.Empty:
+                return
+            self._handle(item)
 
     def _handle(self, item: tuple) -> None:
         if item[0] == "add":

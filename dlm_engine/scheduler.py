@@ -76,15 +76,21 @@ class Scheduler:
             rows += seq.rows
             tokens += seq.step_tokens * seq.rows
 
+    def opens_phase(self) -> bool:
+        """True when nothing runs and a cached row waits: the next step starts the block phase
+        that later cached rows must join (the engine loop may gather a burst first). Not while
+        rows run: waiting then would slow their steps."""
+        return not self.running and any(_phased(s) for s in self.waiting)
+
     def _cached_rows_in_phase(self) -> bool:
         """True when a cached row joining now would refresh together with the running ones.
         Fast-dLLM rows only: a multi-block row's cache follows its own blocks (no block start)."""
-        cached = [s for s in self.running if s.params.cache != "none" and s.multi is None]
+        cached = [s for s in self.running if _phased(s)]
         return not cached or any(s.step_in_block == 0 for s in cached)
 
     def _hold(self, seq: Sequence) -> bool:
         """Hold a cached row back one more step, unless it has waited long enough."""
-        if seq.params.cache == "none" or seq.multi is not None or self.phase_wait_steps <= 0:
+        if not _phased(seq) or self.phase_wait_steps <= 0:
             return False
         held = self._held.get(seq.request_id, 0)
         if held >= self.phase_wait_steps:
@@ -110,6 +116,12 @@ class Scheduler:
 
     def __contains__(self, request_id: str) -> bool:
         return any(s.request_id == request_id for s in (*self.running, *self.waiting))
+
+
+def _phased(seq: Sequence) -> bool:
+    """A Fast-dLLM cached row: it refreshes at each block start, so the rows of a step share a
+    phase (a multi-block row's cache follows its own blocks)."""
+    return seq.params.cache != "none" and seq.multi is None
 
 
 def _priority(seq: Sequence) -> int:

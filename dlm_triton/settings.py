@@ -31,6 +31,8 @@ ENV_OVERRIDES = {
     # scheduling and graph capture (dlm_engine/config.py says what each does)
     "phase_wait_steps": "DLM_PHASE_WAIT_STEPS",
     "cuda_graph_max_tokens": "DLM_CUDA_GRAPH_MAX_TOKENS",
+    "admission_window_ms": "DLM_ADMISSION_WINDOW_MS",
+    "admission_gap_ms": "DLM_ADMISSION_GAP_MS",
 }
 # unset: the engine's defaults (EngineConfig)
 INT_KEYS = (
@@ -43,12 +45,15 @@ INT_KEYS = (
     "phase_wait_steps",
     "cuda_graph_max_tokens",
 )
+FLOAT_KEYS = ("kv_cache_memory_fraction", "admission_window_ms", "admission_gap_ms")
 OPTIONAL_KEYS = (
     "kv_cache_tokens",
     "kv_cache_memory_fraction",
     "prefix_cache_tokens",
     "phase_wait_steps",
     "cuda_graph_max_tokens",
+    "admission_window_ms",
+    "admission_gap_ms",
 )
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "dlm_engine" / "assets"
 
@@ -69,6 +74,8 @@ class InstanceSettings:
     prefix_cache_tokens: int | None = None
     phase_wait_steps: int | None = None
     cuda_graph_max_tokens: int | None = None
+    admission_window_ms: float | None = None
+    admission_gap_ms: float | None = None
 
 
 def config_parameters(model_config: dict) -> dict[str, str]:
@@ -117,14 +124,12 @@ def resolve_settings(
                 raise ValueError(
                     f"parameter {key} must be an integer, got {merged[key]!r}"
                 ) from exc
-    if "kv_cache_memory_fraction" in merged:
-        try:
-            ints["kv_cache_memory_fraction"] = float(merged["kv_cache_memory_fraction"])
-        except ValueError as exc:
-            raise ValueError(
-                "parameter kv_cache_memory_fraction must be a number, got "
-                f"{merged['kv_cache_memory_fraction']!r}"
-            ) from exc
+    for key in FLOAT_KEYS:
+        if key in merged:
+            try:
+                ints[key] = float(merged[key])
+            except ValueError as exc:
+                raise ValueError(f"parameter {key} must be a number, got {merged[key]!r}") from exc
     return InstanceSettings(
         checkpoint=resolve_checkpoint(merged["checkpoint"], model_dir),
         revision=merged.get("revision") or None,

@@ -144,7 +144,8 @@ def test_kv_pool_settings_parse_and_default_to_the_engine() -> None:
 
 
 def test_scheduling_settings_reach_the_engine_config() -> None:
-    """phase_wait_steps and cuda_graph_max_tokens: parameter or env, typed, unset = the
+    """phase_wait_steps, cuda_graph_max_tokens, the admission window: parameter or env, typed,
+    unset = the
     engine's default; every optional setting is an EngineConfig field (else it is dropped)."""
     from dataclasses import fields
 
@@ -156,8 +157,18 @@ def test_scheduling_settings_reach_the_engine_config() -> None:
         environ={"DLM_CUDA_GRAPH_MAX_TOKENS": "1024"},
     )
     assert (s.phase_wait_steps, s.cuda_graph_max_tokens) == (0, 1024)
+    s = resolve_settings(
+        {"checkpoint": "x", "admission_window_ms": "12.5"},
+        environ={"DLM_ADMISSION_GAP_MS": "0"},
+    )
+    assert (s.admission_window_ms, s.admission_gap_ms) == (12.5, 0.0)
     unset = resolve_settings({"checkpoint": "x"}, environ={})
     assert unset.phase_wait_steps is unset.cuda_graph_max_tokens is None
+    assert unset.admission_window_ms is unset.admission_gap_ms is None
+    with pytest.raises(ValueError, match="admission_gap_ms"):
+        resolve_settings({"checkpoint": "x", "admission_gap_ms": "soon"}, environ={})
+    with pytest.raises(ValueError, match="admission_window_ms"):
+        EngineConfig(model="x", admission_window_ms=-1)
     assert set(OPTIONAL_KEYS) <= {f.name for f in fields(EngineConfig)}
     with pytest.raises(ValueError, match="phase_wait_steps"):
         resolve_settings({"checkpoint": "x", "phase_wait_steps": "many"}, environ={})

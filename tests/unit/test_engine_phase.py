@@ -3,6 +3,8 @@ their caches in the same steps (one forward per step), and their tokens do not c
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,65 @@ def test_a_held_row_waits_at_most_phase_wait_steps(ckpt_dir: dict[str, Path]) ->
         running.append({s.request_id for s in eng.scheduler.running})
     assert first in running[0]
     assert [late in r for r in running] == [False, False, True]
+
+
+def _loop_first_steps(
+    eng: Engine, requests: list[tuple[float, dict]], steps: int = 1
+) -> tuple[list[int], dict[str, list[int]]]:
+    """Submit (delay before it, params) in turn to an EngineLoop; rows of its first `steps`
+    steps and each request's token ids."""
+    from dlm_engine import EngineLoop
+
+    p = eng.encode_prompt(messages=[{"role": "user", "content": SAMPLE_PROMPTS[0]}])
+    rows: list[int] = []
+    done: dict[str, list[int]] = {}
+    finished = threading.Event()
+
+    def collect(out) -> None:
+        if out.finished:
+            done[out.request_id] = out.token_ids
+            if len(done) == len(requests):
+                finished.set()
+
+    loop = EngineLoop(eng, on_step=lambda n: rows.append(n))
+    try:
+        for i, (delay, params) in enumerate(requests):
+            time.sleep(delay)
+            loop.submit(f"r{i}", p, eng.resolve_params(params), collect)
+        assert finished.wait(120)
+    finally:
+        loop.shutdown()
+    return rows[:steps], done
+
+
+def test_an_idle_engine_gathers_a_burst_of_cached_rows(ckpt_dir: dict[str, Path]) -> None:
+    """Served requests of one burst reach the engine milliseconds apart: the first cached
+    row waits for the rest (gap 30 s, window 60 s: only the quiet gap after the last arrival
+    ends it, however slow the machine), so all start their first block together; tokens as
+    alone."""
+    cfg = EngineConfig(
+        model=str(ckpt_dir["llada"]), admission_gap_ms=3_000, admission_window_ms=6_000
+    )
+    eng = Engine(cfg)
+    rows, done = _loop_first_steps(eng, [(0.0, PARAMS), (0.2, PARAMS), (0.2, PARAMS)])
+    assert rows == [3]
+    p = eng.encode_prompt(messages=[{"role": "user", "content": SAMPLE_PROMPTS[0]}])
+    alone = eng.generate([p], PARAMS)[0].token_ids
+    assert done == {"r0": alone, "r1": alone, "r2": alone}
+
+
+def test_the_admission_window_caps_the_wait_and_spares_exact_rows(
+    ckpt_dir: dict[str, Path],
+) -> None:
+    """The window bounds the wait even while requests keep coming (gap 10 s, window 0.3 s:
+    the later request, sent 2 s after, misses the first step); an exact row never waits for
+    a burst (gap and window 60 s: it would not finish in the test's time if it did)."""
+    model = str(ckpt_dir["llada"])
+    eng = Engine(EngineConfig(model=model, admission_gap_ms=10_000, admission_window_ms=300))
+    rows, _ = _loop_first_steps(eng, [(0.0, PARAMS), (2.0, PARAMS)])
+    assert rows == [1]
+    exact = dict(PARAMS, cache="none")
+    eng = Engine(EngineConfig(model=model, admission_gap_ms=60_000, admission_window_ms=60_000))
+    t = time.monotonic()
+    rows, _ = _loop_first_steps(eng, [(0.0, exact)])
+    assert rows == [1] and time.monotonic() - t < 50
