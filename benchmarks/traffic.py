@@ -355,6 +355,13 @@ def main() -> None:
         help="the engine's cuda_graph_max_tokens (steps feeding whole sequences with more "
         "packed tokens run eagerly; 0 captures every shape); default: the engine's",
     )
+    ap.add_argument(
+        "--max-rows",
+        type=int,
+        default=0,
+        help="the engine's rows per step (default: the largest N, so all of a round fit); "
+        "below N, later requests queue, as on a loaded server",
+    )
     ap.add_argument("--slo-factor", type=float, default=2.0, help="SLO = factor x e2e alone")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="traffic_out")
@@ -365,7 +372,7 @@ def main() -> None:
     engine = torch = None
     peak = None
     if args.target == "engine":
-        engine, torch = build_engine(args, max(ns))
+        engine, torch = build_engine(args, args.max_rows or max(ns))
         if args.device.startswith("cuda"):
             sys.path.insert(0, str(Path(__file__).parent))
             from gpu_bench import bf16_peak_tflops
@@ -373,7 +380,11 @@ def main() -> None:
             peak = bf16_peak_tflops(torch.device(args.device))
     elif args.model.startswith("random:") and not args.serve:
         raise SystemExit("--target triton/proxy with random weights: add --serve")
-    server = start_server(args, max(ns), out) if args.serve and args.target != "engine" else None
+    server = (
+        start_server(args, args.max_rows or max(ns), out)
+        if args.serve and args.target != "engine"
+        else None
+    )
     url, name = args.url, args.model
     if server is not None:  # what it serves
         url = server.urls["grpc"] if args.target == "triton" else server.urls["openai"]
