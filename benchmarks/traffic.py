@@ -246,20 +246,43 @@ def triton_sender(url: str, model: str, prompts, messages, params: dict):
     return send
 
 
-def proxy_sender(url: str, model: str, messages, params: dict):
-    import httpx
+_HTTP = None
+
+
+def http_client():
+    """One HTTP client for every request thread: creating one per request costs ~50 ms of CPU
+    (it loads a CA bundle) under the GIL, which spread a burst of 32 "simultaneous" requests
+    over a second before they left the benchmark process."""
+    global _HTTP
+    if _HTTP is None:
+        import httpx
+
+        _HTTP = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=None))
+    return _HTTP
+
+
+def proxy_sender(url: str, model: str, prompts, messages, params: dict):
+    """Streamed chat completions; with token-id prompts (random weights) streamed completions
+    of those ids instead, so the proxy runs the very workload of the engine and Triton targets."""
+    client = http_client()
 
     def send(i: int, tr: Trace, t0: float) -> None:
-        body = {"model": model, "messages": messages[i], "stream": True, **params}
+        if prompts is not None:
+            body = {"model": model, "prompt": prompts[i], "stream": True, **params}
+            route = "completions"
+        else:
+            body = {"model": model, "messages": messages[i], "stream": True, **params}
+            route = "chat/completions"
         body["stream_options"] = {"include_usage": True}
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+        with client.stream("POST", f"{url}/v1/{route}", json=body) as r:
             r.raise_for_status()
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 ev = json.loads(line[6:])
                 now = time.perf_counter() - t0
-                if ev.get("choices") and ev["choices"][0].get("delta", {}).get("content"):
+                choice = ev["choices"][0] if ev.get("choices") else {}
+                if choice.get("text") or choice.get("delta", {}).get("content"):
                     tr.first_text = tr.first_text or now
                 if ev.get("usage"):
                     tr.tokens = ev["usage"]["completion_tokens"]
@@ -453,7 +476,8 @@ def run_settings(args, ns: list[int], engine, torch, peak, url: str | None, name
                 return drive_engine(engine, p[:k], par, arr, log)
             if args.target == "triton":
                 return drive_threads(triton_sender(url, name, p, m, par), k, arr)
-            return drive_threads(proxy_sender(url, name, m, par), k, arr)
+            ids = p if args.model.startswith("random:") else None
+            return drive_threads(proxy_sender(url, name, ids, m, par), k, arr)
 
         run([0.0] * n)  # warm-up: graph capture and compilation at these shapes
         run([0.0], 1)  # and at batch 1, so the SLO's reference run is warm

@@ -8,7 +8,8 @@
 #   unpacked from cp<py> manylinux wheels, tests left out.
 # Run from a checkout whose .venv has the serve extra (nvidia-pytriton) installed:
 #   benchmarks/triton_gpu_pack.sh [DEST]        (default .tritongpu/site.tar.xz, git-ignored)
-# PY_TAG=3.12 picks the stub and wheels; WHEELS=0 packs the server only; XZ_LEVEL=-9e.
+# PY_TAG=3.12 picks the stub and wheels; WHEELS=0 packs the server only; PROXY=0 leaves out
+# the OpenAI proxy's stack (FastAPI, uvicorn, pydantic, httpx); XZ_LEVEL=-9e.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 py=${PY_TAG:-3.12}
@@ -36,6 +37,16 @@ if [ "${WHEELS:-1}" = 1 ]; then
         --platform manylinux2014_x86_64 -d "$stage/wheels" \
         numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.25 grpcio==1.85.1 \
         protobuf==6.33.6 ml-dtypes==0.5.4
+    if [ "${PROXY:-1}" = 1 ]; then  # the OpenAI proxy's stack (traffic.py --target proxy)
+        "$repo/.venv/bin/pip" download -q --no-deps --only-binary=:all: --python-version "$py" \
+            --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+            --platform manylinux2014_x86_64 -d "$stage/wheels" \
+            fastapi==0.165.0 annotated-doc==0.0.7 starlette==1.10.0 pydantic==2.14.3 \
+            pydantic_core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
+            typing_extensions==4.16.0 uvicorn==0.54.0 h11==0.16.0 click==8.5.1 anyio==4.16.0 \
+            sniffio==1.3.1 idna==3.20 httpx==0.28.1 httpcore==1.0.9 certifi==2026.10.18 \
+            opentelemetry-api==1.45.2
+    fi
     for w in "$stage"/wheels/*.whl; do "$repo/.venv/bin/python" -m zipfile -e "$w" "$site/"; done
     rm -rf "$site"/numpy/*/tests "$site"/numpy/tests "$site"/numpy/f2py "$site"/numpy/_pyinstaller \
         "$site"/tritonclient/http "$site"/tritonclient/_plugins "$site"/tritonhttpclient
