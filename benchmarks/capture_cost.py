@@ -10,20 +10,20 @@ Random bf16 weights (fixed schedules: the timing is honest); prompt 64, canvas 2
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from dlm_engine import Engine, EngineConfig, cuda_graphs
-from dlm_engine.loader import random_checkpoint
 from dlm_engine.models.common import FusedKernels
 
-PROMPT, CANVAS, BLOCK, STEPS = 64, 256, 32, 64
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from graph_vs_eager import BLOCK, CANVAS, setup  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -93,18 +93,7 @@ def mixed_step(engine: Engine, prompt, rows: int, params: dict) -> tuple[float, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="llada-8b")
-    ap.add_argument("--rows", default="1,2,4")
-    ap.add_argument("--out", default="capture_cost_out")
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    lm = random_checkpoint(args.model, "bfloat16", "cuda")
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(100, 30000, (PROMPT,), generator=gen).tolist()
-    params = dict(max_tokens=CANVAS, steps=STEPS, block_length=BLOCK, cache="dual")
-    rows = [int(r) for r in args.rows.split(",")]
+    args, out, rows, lm, prompt, params = setup(__doc__, "1,2,4", "capture_cost_out")
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
 
     def engine(limit: int) -> Engine:
@@ -116,30 +105,10 @@ def main() -> None:
     warm = engine(0)  # compile the pieces once for the process
     refresh_steps(warm, prompt, 2, params)
     del warm
-    original_capture = cuda_graphs.GraphCache._capture
     for warmups in (2, 1, 0):
-
-        def capture(self, key, fn, inputs, n=warmups):
-            static = {k: t.clone() for k, t in inputs.items()}
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side), torch.inference_mode():
-                for _ in range(n):
-                    fn(static)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            if self.mempool is None:
-                self.mempool = torch.cuda.graph_pool_handle()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=self.mempool):
-                o = fn(static)
-            entry = cuda_graphs._Captured(graph, static, o)
-            self.graphs[key] = entry
-            self.captures += 1
-            return entry
-
-        cuda_graphs.GraphCache._capture = capture
         for n in rows:
             e = engine(0)
+            e.runner.graphs.warmups = warmups
             first = refresh_steps(e, prompt, n, params)
             caps = [w for w, c in first if c]
             again = [w for w, _ in refresh_steps(e, prompt, n, params)]
@@ -155,7 +124,6 @@ def main() -> None:
             result[f"warmups{warmups}_rows{n}"] = rec
             print(f"warm-ups {warmups} rows {n}: {rec}", flush=True)
             del e
-    cuda_graphs.GraphCache._capture = original_capture
     for plain in (False, True):
         for n in rows:
             e = engine(1)  # every whole-sequence step eagerly

@@ -42,19 +42,30 @@ def refresh_walls(engine: Engine, prompt: list[int], rows: int, params: dict) ->
     return walls
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="llada-8b")
-    ap.add_argument("--rows", default="1,2,3,4,5,6,8")
-    ap.add_argument("--out", default="graph_vs_eager_out")
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    lm = random_checkpoint(args.model, "bfloat16", "cuda")
+def workload(model: str) -> tuple:
+    """(random bf16 weights of `model` on CUDA, a PROMPT-token prompt, dual-cache params)."""
+    lm = random_checkpoint(model, "bfloat16", "cuda")
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 30000, (PROMPT,), generator=gen).tolist()
-    params = dict(max_tokens=CANVAS, steps=STEPS, block_length=BLOCK, cache="dual")
-    rows = [int(r) for r in args.rows.split(",")]
+    return lm, prompt, dict(max_tokens=CANVAS, steps=STEPS, block_length=BLOCK, cache="dual")
+
+
+def setup(doc: str, rows: str, out: str) -> tuple:
+    """Command line (--model, --rows, --out) and workload: (args, out dir, rows, lm, prompt,
+    params)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--model", default="llada-8b")
+    ap.add_argument("--rows", default=rows)
+    ap.add_argument("--out", default=out)
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lm, prompt, params = workload(args.model)
+    return args, out_dir, [int(r) for r in args.rows.split(",")], lm, prompt, params
+
+
+def main() -> None:
+    args, out, rows, lm, prompt, params = setup(__doc__, "1,2,3,4,5,6,8", "graph_vs_eager_out")
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": {}}
     print(
         f"{result['device']}, {args.model} random bf16, refresh steps (median ms, first left out)"
