@@ -25,7 +25,7 @@ class EngineConfig:
     # steps a waiting cached row may be held so it joins when the running cached rows refresh
     # (one forward per step instead of a refresh plus a span forward); 0 admits at once
     phase_wait_steps: int = 8
-    # an idle engine (no cached row running) that receives a cached row keeps gathering
+    # an idle engine (no row running) that receives a cached row keeps gathering
     # arrivals until none came for admission_gap_ms, at most admission_window_ms, so the
     # requests of one burst start their first block together instead of the late ones waiting
     # for the next block start (served clients reach the engine milliseconds apart: 8 gRPC
@@ -37,7 +37,7 @@ class EngineConfig:
     max_cuda_graphs: int = 96  # shapes kept captured (one shared activation pool)
     # a step that feeds whole sequences (exact rows, cached rows at a block start) over more
     # packed tokens than this runs eagerly instead of capturing a graph: a capture costs
-    # 0.05-0.2 s on an 8B model and such shapes (rows x lengths) rarely repeat, while past this
+    # 0.07-0.2 s on an 8B model and such shapes (rows x lengths) rarely repeat, while past this
     # size the GPU's arithmetic outlasts an eager forward's ~45 ms of host launches (LLaDA-8B,
     # H100); in-block steps always replay graphs; 0 = capture every shape
     # (docs/benchmarks.md, "CUDA graph captures under staggered arrivals")
