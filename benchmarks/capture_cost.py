@@ -14,7 +14,6 @@ import contextlib
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ from dlm_engine import Engine, EngineConfig, cuda_graphs
 from dlm_engine.models.common import FusedKernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_vs_eager import BLOCK, CANVAS, setup  # noqa: E402
+from graph_vs_eager import CANVAS, refresh_steps, setup, timed_step  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -52,30 +51,6 @@ def plain_eager(runner, on: bool):
         yield
     finally:
         runner._run = original
-
-
-def timed_step(engine: Engine) -> tuple[float, int]:
-    graphs = engine.runner.graphs
-    before = graphs.captures if graphs is not None else 0
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    engine.step()
-    torch.cuda.synchronize()
-    after = graphs.captures if graphs is not None else 0
-    return (time.perf_counter() - t) * 1e3, after - before
-
-
-def refresh_steps(engine: Engine, prompt, rows: int, params: dict) -> list[tuple[float, int]]:
-    """(ms, captures) of each refresh step of `rows` requests run together."""
-    for _ in range(rows):
-        engine.add_request(None, prompt, params)
-    out = []
-    while engine.has_unfinished():
-        tokens0 = engine.runner.work["tokens"]
-        wall, caps = timed_step(engine)
-        if engine.runner.work["tokens"] - tokens0 > rows * BLOCK:
-            out.append((wall, caps))
-    return out
 
 
 def mixed_step(engine: Engine, prompt, rows: int, params: dict) -> tuple[float, int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -23,23 +24,34 @@ import torch
 from dlm_engine import Engine, EngineConfig
 from dlm_engine.loader import random_checkpoint
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from traffic import graph_captures  # noqa: E402
+
 PROMPT, CANVAS, BLOCK, STEPS = 64, 256, 32, 64
 
 
-def refresh_walls(engine: Engine, prompt: list[int], rows: int, params: dict) -> list[float]:
-    """Run `rows` requests together; ms of each refresh step (more than a span per row)."""
+def timed_step(engine: Engine) -> tuple[float, int]:
+    """ms of one engine step (device synchronised) and the CUDA graphs it captured."""
+    captures0 = graph_captures(engine.runner)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3, graph_captures(engine.runner) - captures0
+
+
+def refresh_steps(engine: Engine, prompt: list[int], rows: int, params: dict) -> list[tuple]:
+    """Run `rows` requests together; (ms, captures) of each refresh step (more than a span
+    per row)."""
     for _ in range(rows):
         engine.add_request(None, prompt, params)
-    walls: list[float] = []
+    out: list[tuple[float, int]] = []
     while engine.has_unfinished():
         tokens0 = engine.runner.work["tokens"]
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        engine.step()
-        torch.cuda.synchronize()
+        step = timed_step(engine)
         if engine.runner.work["tokens"] - tokens0 > rows * BLOCK:
-            walls.append((time.perf_counter() - t) * 1e3)
-    return walls
+            out.append(step)
+    return out
 
 
 def workload(model: str) -> tuple:
@@ -77,8 +89,8 @@ def main() -> None:
             cfg = EngineConfig(model=f"random:{args.model}", device="cuda", max_rows=max(rows),
                                max_canvas=CANVAS, cuda_graph_max_tokens=limit)  # fmt: skip
             engine = Engine(cfg, loaded=lm)
-            refresh_walls(engine, prompt, n, params)  # captures, compiles
-            walls = refresh_walls(engine, prompt, n, params)
+            refresh_steps(engine, prompt, n, params)  # captures, compiles
+            walls = [ms for ms, _ in refresh_steps(engine, prompt, n, params)]
             medians[name] = round(statistics.median(walls[1:]), 2)
             del engine
         result["rows"][n] = {"tokens": n * (PROMPT + CANVAS), **medians}

@@ -262,8 +262,8 @@ def http_client():
 
 
 def proxy_sender(url: str, model: str, prompts, messages, params: dict):
-    """Streamed chat completions; with token-id prompts (random weights) streamed completions
-    of those ids instead, so the proxy runs the very workload of the engine and Triton targets."""
+    """Streamed completions of the workload's token ids when it has them (random weights: the
+    very requests of the engine and Triton targets), streamed chat completions otherwise."""
     client = http_client()
 
     def send(i: int, tr: Trace, t0: float) -> None:
@@ -476,8 +476,7 @@ def run_settings(args, ns: list[int], engine, torch, peak, url: str | None, name
                 return drive_engine(engine, p[:k], par, arr, log)
             if args.target == "triton":
                 return drive_threads(triton_sender(url, name, p, m, par), k, arr)
-            ids = p if args.model.startswith("random:") else None
-            return drive_threads(proxy_sender(url, name, ids, m, par), k, arr)
+            return drive_threads(proxy_sender(url, name, p, m, par), k, arr)
 
         run([0.0] * n)  # warm-up: graph capture and compilation at these shapes
         run([0.0], 1)  # and at batch 1, so the SLO's reference run is warm

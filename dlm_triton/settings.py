@@ -115,26 +115,21 @@ def resolve_settings(
     device = merged.get("device") or ("cuda" if kind == "GPU" else "cpu")
     if device == "cuda" and kind == "GPU":
         device = f"cuda:{device_id}"  # one engine per listed GPU
-    ints: dict[str, int | float] = {}
-    for key in INT_KEYS:
-        if key in merged:
-            try:
-                ints[key] = int(merged[key])
-            except ValueError as exc:
-                raise ValueError(
-                    f"parameter {key} must be an integer, got {merged[key]!r}"
-                ) from exc
-    for key in FLOAT_KEYS:
-        if key in merged:
-            try:
-                ints[key] = float(merged[key])
-            except ValueError as exc:
-                raise ValueError(f"parameter {key} must be a number, got {merged[key]!r}") from exc
+    typed: dict[str, int | float] = {}
+    for keys, cast, kind_of in ((INT_KEYS, int, "an integer"), (FLOAT_KEYS, float, "a number")):
+        for key in keys:
+            if key in merged:
+                try:
+                    typed[key] = cast(merged[key])
+                except ValueError as exc:
+                    raise ValueError(
+                        f"parameter {key} must be {kind_of}, got {merged[key]!r}"
+                    ) from exc
     return InstanceSettings(
         checkpoint=resolve_checkpoint(merged["checkpoint"], model_dir),
         revision=merged.get("revision") or None,
         dtype=merged.get("dtype", "auto"),
         device=device,
         quantization=merged.get("quantization", "none"),
-        **ints,
+        **typed,
     )

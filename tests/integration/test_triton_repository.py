@@ -145,8 +145,8 @@ def test_kv_pool_settings_parse_and_default_to_the_engine() -> None:
 
 def test_scheduling_settings_reach_the_engine_config() -> None:
     """phase_wait_steps, cuda_graph_max_tokens, the admission window: parameter or env, typed,
-    unset = the
-    engine's default; every optional setting is an EngineConfig field (else it is dropped)."""
+    unset = the engine's default; every optional setting is an EngineConfig field (else it is
+    dropped)."""
     from dataclasses import fields
 
     from dlm_engine import EngineConfig

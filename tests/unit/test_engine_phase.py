@@ -69,11 +69,11 @@ def test_a_held_row_waits_at_most_phase_wait_steps(ckpt_dir: dict[str, Path]) ->
     assert [late in r for r in running] == [False, False, True]
 
 
-def _loop_first_steps(
-    eng: Engine, requests: list[tuple[float, dict]], steps: int = 1
+def _loop_first_step(
+    eng: Engine, requests: list[tuple[float, dict]]
 ) -> tuple[list[int], dict[str, list[int]]]:
-    """Submit (delay before it, params) in turn to an EngineLoop; rows of its first `steps`
-    steps and each request's token ids."""
+    """Submit (delay before it, params) in turn to an EngineLoop; rows of its first step (as
+    a list) and each request's token ids."""
     from dlm_engine import EngineLoop
 
     p = eng.encode_prompt(messages=[{"role": "user", "content": SAMPLE_PROMPTS[0]}])
@@ -95,19 +95,19 @@ def _loop_first_steps(
         assert finished.wait(120)
     finally:
         loop.shutdown()
-    return rows[:steps], done
+    return rows[:1], done
 
 
 def test_an_idle_engine_gathers_a_burst_of_cached_rows(ckpt_dir: dict[str, Path]) -> None:
     """Served requests of one burst reach the engine milliseconds apart: the first cached
-    row waits for the rest (gap 30 s, window 60 s: only the quiet gap after the last arrival
+    row waits for the rest (gap 3 s, window 6 s: only the quiet gap after the last arrival
     ends it, however slow the machine), so all start their first block together; tokens as
     alone."""
     cfg = EngineConfig(
         model=str(ckpt_dir["llada"]), admission_gap_ms=3_000, admission_window_ms=6_000
     )
     eng = Engine(cfg)
-    rows, done = _loop_first_steps(eng, [(0.0, PARAMS), (0.2, PARAMS), (0.2, PARAMS)])
+    rows, done = _loop_first_step(eng, [(0.0, PARAMS), (0.2, PARAMS), (0.2, PARAMS)])
     assert rows == [3]
     p = eng.encode_prompt(messages=[{"role": "user", "content": SAMPLE_PROMPTS[0]}])
     alone = eng.generate([p], PARAMS)[0].token_ids
@@ -122,10 +122,10 @@ def test_the_admission_window_caps_the_wait_and_spares_exact_rows(
     a burst (gap and window 60 s: it would not finish in the test's time if it did)."""
     model = str(ckpt_dir["llada"])
     eng = Engine(EngineConfig(model=model, admission_gap_ms=10_000, admission_window_ms=300))
-    rows, _ = _loop_first_steps(eng, [(0.0, PARAMS), (2.0, PARAMS)])
+    rows, _ = _loop_first_step(eng, [(0.0, PARAMS), (2.0, PARAMS)])
     assert rows == [1]
     exact = dict(PARAMS, cache="none")
     eng = Engine(EngineConfig(model=model, admission_gap_ms=60_000, admission_window_ms=60_000))
     t = time.monotonic()
-    rows, _ = _loop_first_steps(eng, [(0.0, exact)])
+    rows, _ = _loop_first_step(eng, [(0.0, exact)])
     assert rows == [1] and time.monotonic() - t < 50
