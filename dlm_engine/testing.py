@@ -420,9 +420,11 @@ class EagerGraphs:
 
     def __init__(self) -> None:
         self.shapes: list[dict[str, tuple[int, ...]]] = []
+        self.keys: list[Any] = []  # each forward's graph key (its layout among it)
 
     def run(self, key: Any, fn: Any, inputs: dict[str, Any]) -> Any:
         self.shapes.append({n: tuple(t.shape) for n, t in inputs.items()})
+        self.keys.append(key)
         return fn(inputs)
 
     def clear(self) -> None:

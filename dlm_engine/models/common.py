@@ -60,6 +60,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, in_fp32: bool) 
     return x * cos + _rotate_half(x) * sin
 
 
+def _rope_qk(q, k, cos, sin, in_fp32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rope(q, cos, sin, in_fp32), _rope(k, cos, sin, in_fp32)
+
+
 def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
@@ -67,6 +71,7 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 rms_norm = FusedKernels(_rms_norm)
 rms_norm_heads = FusedKernels(_rms_norm)
 apply_rope_fn = FusedKernels(_rope)
+apply_rope_qk_fn = FusedKernels(_rope_qk)  # q and k in one call: one launch a layer, not two
 silu_mul = FusedKernels(_silu_mul)
 
 
@@ -111,14 +116,28 @@ def apply_rope(
     return apply_rope_fn(x, cos, sin, in_fp32)
 
 
+def apply_rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, in_fp32: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rope` on q and on k, compiled as one function (the same arithmetic)."""
+    return apply_rope_qk_fn(q, k, cos, sin, in_fp32)
+
+
+def additive_mask(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = attend) as the additive one SDPA makes of it (0 / -inf in the
+    query's dtype): made once per forward, SDPA need not convert it in every layer."""
+    return torch.zeros_like(key_mask, dtype=dtype).masked_fill_(key_mask.logical_not(), -torch.inf)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     key_mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Attention. q [B,H,T,D], k/v [B,KV,S,D]; key_mask True = attend: [B,S] for the same keys
-    at every query (bidirectional), or [B,T,S] per query (block-causal block diffusion).
+    """Attention. q [B,H,T,D], k/v [B,KV,S,D]; key_mask True = attend (or additive, from
+    `additive_mask`): [B,S] for the same keys at every query (bidirectional), or [B,T,S] per
+    query (block-causal block diffusion).
 
     Padding keys are masked, never attended to, so a row's result does not depend on how
     much padding its batch carries.

@@ -19,7 +19,7 @@ from .common import (
     ForwardBatch,
     QKVHeads,
     RMSNorm,
-    apply_rope,
+    apply_rope_qk,
     fuse_gate_up,
     gated_mlp,
 )
@@ -71,7 +71,7 @@ class DreamAttention(QKVHeads, nn.Module):
         b, t, _ = h.shape
         q, k, v = self.qkv_heads(h)
         cos, sin = rope
-        q, k = apply_rope(q, cos, sin, in_fp32=False), apply_rope(k, cos, sin, in_fp32=False)
+        q, k = apply_rope_qk(q, k, cos, sin, in_fp32=False)
         return self.o_proj(batch.attend(layer, q, k, v).transpose(1, 2).reshape(b, t, -1))
 
 

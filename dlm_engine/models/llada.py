@@ -19,7 +19,7 @@ from .common import (
     ForwardBatch,
     QKVHeads,
     RMSNorm,
-    apply_rope,
+    apply_rope_qk,
     fuse_gate_up,
     gated_mlp,
 )
@@ -94,7 +94,7 @@ class LLaDABlock(QKVHeads, nn.Module):
         b, t, _ = x.shape
         q, k, v = self.qkv_heads(self.attn_norm(x))
         cos, sin = rope
-        q, k = apply_rope(q, cos, sin, in_fp32=True), apply_rope(k, cos, sin, in_fp32=True)
+        q, k = apply_rope_qk(q, k, cos, sin, in_fp32=True)
         att = batch.attend(layer, q, k, v).transpose(1, 2).reshape(b, t, -1)
         x = x + self.attn_out(att)
         h = self.ff_norm(x)

@@ -175,6 +175,37 @@ def test_graph_bucket_padding_changes_no_token(engines: dict[str, Engine]) -> No
         assert any(span3 <= shapes.items() for shapes in graphs.shapes), family
 
 
+def test_in_block_steps_of_one_width_need_no_gather(engines: dict[str, Engine]) -> None:
+    """With bucketing on (as on CUDA) and the block as wide as the query multiple, an
+    in-block step of rows in pool slots 0..n-1 is one shape with no gather at all: the packed
+    order is the padded order (no query index) and keys are read as a view of the pool
+    (`GroupLayout.slots_in_place`), alone (1 row of 8 queries: not padded to a longer packed
+    length) and for 4 rows. Tokens equal the unbucketed run."""
+    eng = engines["llada"]
+    case = dict(max_tokens=32, steps=16, block_length=8, cache="dual")
+    prompts = _prompts(eng, 4)
+    alone = [_key(eng.generate([p], case)[0]) for p in prompts]
+    runner = eng.runner
+    graphs = EagerGraphs()
+    runner.graphs, runner.length_multiple = graphs, 8
+    try:
+        bucketed = [_key(eng.generate([p], case)[0]) for p in prompts]
+        batched = [_key(o) for o in eng.generate(prompts, [case] * 4)]
+    finally:
+        runner.graphs, runner.length_multiple = None, 1
+    assert bucketed == alone and batched == alone
+    spans = [
+        (key[-1][0], shapes)
+        for key, shapes in zip(graphs.keys, graphs.shapes, strict=True)
+        if [g.group for g in key[-1]] == ["span"]
+    ]
+    for rows in (1, 4):
+        group, shapes = next((g, s) for g, s in spans if g.rows == rows)
+        assert group.identity and group.slots_in_place, rows
+        assert shapes["ids"] == (1, rows * 8) and "span_q_index" not in shapes, rows
+        assert "out_index" not in shapes, rows
+
+
 def test_reused_plans_change_no_token(engines: dict[str, Engine], monkeypatch) -> None:
     """A step whose rows did not move (cached rows inside a block) reuses the last step's
     index tensors and feeds only new tokens (dlm_engine/ragged.py `plan_key`): the same
