@@ -93,7 +93,8 @@ class StepTimer:
             s.tokens.copy_(t)
         _sync(dev)
         t0 = time.perf_counter()
-        self.engine.runner.step(self.seqs)
+        # no forward queued ahead: every timed step restores its tokens and runs its own
+        self.engine.runner.step(self.seqs, look_ahead=False)
         _sync(dev)
         self.times.append(time.perf_counter() - t0)
 

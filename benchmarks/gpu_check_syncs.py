@@ -63,14 +63,20 @@ def record(engine: Engine, batch: list[dict]) -> list[tuple[str, str]]:
     runner = engine.runner
     phase = ["host"]
     seen: list[tuple[str, str]] = []
-    orig_run = runner._run
+    orig_run, orig_take = runner._run, runner._take_lookahead
 
     def run(*args, **kwargs):
         out = orig_run(*args, **kwargs)
         phase[0] = "after forward"
         return out
 
-    runner._run = run
+    def take(*args, **kwargs):  # a forward queued by the last step counts as this step's
+        ahead = orig_take(*args, **kwargs)
+        if ahead is not None:
+            phase[0] = "after forward"
+        return ahead
+
+    runner._run, runner._take_lookahead = run, take
     try:
         for i, params in enumerate(batch):
             engine.add_request(None, engine.encode_prompt(text=SAMPLE_PROMPTS[i % 4]), params)
@@ -98,7 +104,7 @@ def record(engine: Engine, batch: list[dict]) -> list[tuple[str, str]]:
                     torch.cuda.set_sync_debug_mode(0)
             steps += 1
     finally:
-        runner._run = orig_run
+        runner._run, runner._take_lookahead = orig_run, orig_take
     return seen
 
 

@@ -27,14 +27,18 @@ PROMPT, CANVAS, BLOCK, STEPS = 64, 256, 32, 64
 
 
 def in_block_steps(engine: Engine, prompt: list[int], params: dict) -> list[float]:
-    """Run one request; wall seconds of each in-block (span) step."""
+    """Run one request; wall seconds of each in-block (span) step. No synchronisation
+    between steps (one before the request): a step may leave the next step's forward running
+    on the device (dlm_engine/lookahead.py), so back-to-back walls are what a served stream
+    sees; each step ends with its copy, so without a forward ahead the device is idle at each
+    step's start either way."""
     r = engine.runner
     engine.add_request(None, prompt, params)
     walls: list[float] = []
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     while engine.has_unfinished():
         before = r.span_steps
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
         t = time.perf_counter()
         engine.step()
         dt = time.perf_counter() - t
@@ -58,8 +62,8 @@ def host_phases(engine: Engine, prompt: list[int], params: dict) -> dict[str, fl
     run_step, plan, reuse = r.step, model_runner.plan_packed, model_runner.with_new_tokens
     replay = torch.cuda.CUDAGraph.replay
 
-    def timed_step(seqs):
-        out = run_step(seqs)
+    def timed_step(seqs, **kwargs):
+        out = run_step(seqs, **kwargs)
         marks["copied"] = time.perf_counter()
         return out
 
@@ -132,6 +136,9 @@ def main() -> None:
     ap.add_argument("--out", default="profile_span_out")
     ap.add_argument("--no-fused", action="store_true", help="engine without fused kernels")
     ap.add_argument("--tiny", action="store_true", help="shrunken preset: a CPU smoke run")
+    ap.add_argument(
+        "--no-lookahead", action="store_true", help="no forward queued ahead of the copy"
+    )
     args = ap.parse_args()
     if args.tiny:
         shrink_presets()
@@ -143,6 +150,8 @@ def main() -> None:
     cfg = EngineConfig(model=f"random:{args.model}", device=args.device, max_rows=8,
                        max_canvas=CANVAS, fused_kernels=not args.no_fused)  # fmt: skip
     engine = Engine(cfg, loaded=lm)
+    if args.no_lookahead:
+        engine.runner.lookahead = False
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 30000, (PROMPT,), generator=gen).tolist()
     params = dict(max_tokens=CANVAS, steps=STEPS, block_length=BLOCK, cache=args.cache)
@@ -153,8 +162,12 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    engine.add_request("profiled", prompt, params)
+    # the device's work per step and the host's stretches are measured step by step, with no
+    # forward queued ahead (else a profiled window holds one forward more than its steps, and
+    # the host's stretches hide in the wait); the walls above are taken as configured
     r = engine.runner
+    looking_ahead, r.lookahead = getattr(r, "lookahead", False), False
+    engine.add_request("profiled", prompt, params)
     for _ in range(9):  # past the first block and into the second
         engine.step()
     n = 0
@@ -174,6 +187,7 @@ def main() -> None:
     device_us = sum(e.self_device_time_total for e in events) / n
     host = host_profile(engine, prompt, params)
     phases = host_phases(engine, prompt, params)
+    r.lookahead = looking_ahead
     bw = copy_bandwidth(dev) / 1e9
     floor_ms = weight_bytes / (bw * 1e9) * 1e3
     kernels = sorted(events, key=lambda e: -e.self_device_time_total)[:30]
@@ -185,6 +199,12 @@ def main() -> None:
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "fused_kernels": not args.no_fused,
+        # getattr: the same script times trees from before the forward ahead existed
+        "lookahead": looking_ahead,
+        "lookahead_taken_dropped": [
+            getattr(engine.runner, "lookahead_taken", 0),
+            getattr(engine.runner, "lookahead_dropped", 0),
+        ],
         "in_block_step_wall_ms_median": round(wall_ms, 3),
         "in_block_steps": len(walls),
         "device_busy_ms_per_step": round(device_us / 1e3, 3),

@@ -43,6 +43,8 @@ class EngineConfig:
     # (docs/benchmarks.md, "CUDA graph captures under staggered arrivals")
     cuda_graph_max_tokens: int = 1536
     fused_kernels: bool = True  # torch.compile the elementwise pieces on CUDA devices
+    # queue the next in-block forward before a step's copy (dlm_engine/lookahead.py; CUDA only)
+    lookahead: bool = True
     # issue 16: block-diffusion rows keep their keys/values in pages of one pool
     # (dlm_engine/paged_kv.py). Tokens it holds; 0 = automatic: on CUDA the share
     # kv_cache_memory_fraction of the memory free after the weights load, on CPU 32768 tokens

@@ -61,6 +61,7 @@ class Engine:
             max_cuda_graphs=config.max_cuda_graphs,
             cuda_graph_max_tokens=config.cuda_graph_max_tokens,
             fused_kernels=config.fused_kernels,
+            lookahead=config.lookahead,
         )
         self.scheduler = Scheduler(
             config.max_rows,
@@ -275,12 +276,15 @@ class Engine:
         outputs = self.drain_aborted()
         if self._scoring:  # issue 17: one batch of samples for the oldest scoring request
             outputs += self._score_step()
-        self.scheduler.admit()
+        if not self.runner.holds_lookahead_for(self.scheduler.running):
+            self.scheduler.admit()  # else arrivals join next step: the forward ahead is taken
         seqs = list(self.scheduler.running)
         self.last_step_rows = len(seqs)
         if not seqs:
+            self.runner.drop_lookahead()
             return outputs
-        windows = self.runner.step(seqs)
+        # the next step's forward may be queued ahead only if nobody waits to join then
+        windows = self.runner.step(seqs, look_ahead=not self.scheduler.waiting)
         self.total_forwards += 1
         now = time.monotonic()
         failed = self.runner.failed_rows

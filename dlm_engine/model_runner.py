@@ -6,7 +6,8 @@ weight is read once per step, and attention works per row with its own positions
 (dlm_engine/ragged.py). Logits are computed only for each row's active window (its block;
 shifted one left for Dream), which is exact: positions outside the window are never selected
 by the published loops. The only device-to-host copy is the committed windows at the end.
-On CUDA the forward replays a graph captured per bucketed shape.
+On CUDA the forward replays a graph captured per bucketed shape, and when every row stays in
+its block the next step's forward is queued before that copy (dlm_engine/lookahead.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .decoding.commit_rules import CommitPlan, row_rule
 from .decoding.constraints import ConstrainedStep, ConstraintRuntime
 from .decoding.proposals import safe_probabilities
 from .kv_cache import KVPool
+from .lookahead import Lookahead, stays_in_block
 from .models.common import FusedKernels
 from .paged_kv import PagePool, page_size, pool_pages
 from .prefix_cache import PrefixCache
@@ -59,6 +61,7 @@ class ModelRunner:
         max_cuda_graphs: int = 96,
         cuda_graph_max_tokens: int = 0,
         fused_kernels: bool = True,
+        lookahead: bool = True,
     ) -> None:
         self.model = model
         self.family = family
@@ -78,6 +81,14 @@ class ModelRunner:
         # the H100), and the graph's static inputs then need only the new tokens
         self._last_plan: tuple[tuple, PackedPlan] | None = None
         self.plan_reuses = 0
+        # the next step's forward, queued before this step's copy (dlm_engine/lookahead.py);
+        # on CUDA only, where the device runs it while the host reads the copy (tests turn it
+        # on for the CPU to prove it changes no token)
+        self.lookahead = lookahead and device.type == "cuda"
+        self._ahead: Lookahead | None = None
+        self._last_graphed = False
+        self.lookahead_taken = 0
+        self.lookahead_dropped = 0
         if device.type == "cuda" and fused_kernels:
             FusedKernels.enabled = True
         self.length_multiple = 32 if self.graphs is not None else 1
@@ -98,12 +109,14 @@ class ModelRunner:
     def _run(self, key: tuple, fn, inputs: dict[str, torch.Tensor], layout: Layout) -> torch.Tensor:
         whole = any(group == "fresh" for group, *_ in layout)  # exact rows, block-start refreshes
         graphed = worth_a_graph(inputs["ids"].shape[1], whole, self.graph_max_tokens)
-        if self.graphs is not None and graphed:
+        self._last_graphed = self.graphs is not None and graphed
+        if self._last_graphed:
             try:
                 return self.graphs.run(key, fn, inputs)
             except RuntimeError as exc:  # e.g. a quantized kernel that cannot be captured
                 log.warning("CUDA graph capture failed, running eagerly from now on: %s", exc)
                 self.graphs = None
+                self._last_graphed = False
         with torch.inference_mode():
             return fn(inputs)
 
@@ -161,6 +174,11 @@ class ModelRunner:
         if rows_key is not None:
             made_for = (rows_key, width, self._pool_id(), pool.length if pool else 0,
                         self.graphs is not None, self.length_multiple)  # fmt: skip
+        ahead = self._take_lookahead(made_for, seqs)
+        if ahead is not None:  # queued by the last step, over these very rows
+            self._last_plan = (made_for, ahead.plan)
+            self._count_forward(ahead.plan, width)
+            return ahead.logits, ahead.current
         last = self._last_plan
         if made_for is not None and last is not None and last[0] == made_for:
             plan = with_new_tokens(last[1], queries, self.pad_id)
@@ -178,10 +196,26 @@ class ModelRunner:
                 pages=pages,
             )
         self._last_plan = (made_for, plan) if made_for is not None else None
+        self._count_forward(plan, width)
+        return self._forward(seqs, plan, width, pool, pages)
+
+    def _count_forward(self, plan: PackedPlan, width: int) -> None:
         self.forward_passes += 1
         self.work["tokens"] += plan.tokens
         self.work["attn_pairs"] += plan.attn_pairs
         self.work["logit_positions"] += plan.rows * width
+
+    def _forward(
+        self,
+        seqs: list[Sequence],
+        plan: PackedPlan,
+        width: int,
+        pool: KVPool | None,
+        pages: PagePool | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue the packed forward of `plan`, the output head at every row's window and
+        classifier-free guidance's mix: (logits, current window tokens)."""
+        blocks = [s for s in seqs if s.layout is not None]
         fn = packed_forward_fn(self.model, pool, width, plan.layout, pages)
         key = ("packed", self._pool_id(), width, plan.layout)
         hidden = self._run(key, fn, plan.inputs, plan.layout)[: plan.rows]
@@ -199,6 +233,67 @@ class ModelRunner:
             logits = logits[:b].clone()
             logits[sel] = uncond + (scale[:, None, None] + 1) * (cond - uncond)
         return logits, current
+
+    # ---- the next step's forward, queued early (dlm_engine/lookahead.py) --------------------
+    def _take_lookahead(self, made_for: tuple | None, seqs: list[Sequence]) -> Lookahead | None:
+        """The forward queued ahead for these rows and this plan key, else None (dropped)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        if (
+            made_for is not None
+            and ahead.made_for == made_for
+            and ahead.request_ids == tuple(s.request_id for s in seqs)
+        ):
+            self.lookahead_taken += 1
+            return ahead
+        self.lookahead_dropped += 1
+        return None
+
+    def holds_lookahead_for(self, seqs: list[Sequence]) -> bool:
+        """A forward waits ahead for exactly these rows (the engine then admits nobody this
+        step, so that it is taken, not dropped)."""
+        ahead = self._ahead
+        return ahead is not None and ahead.request_ids == tuple(s.request_id for s in seqs)
+
+    def drop_lookahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead = None
+            self.lookahead_dropped += 1
+
+    def _can_look_ahead(self, seqs: list[Sequence]) -> bool:
+        """This step's plan can serve the next step (plan key known, graph replayed on CUDA:
+        an eager forward's launches would hold the host up) and every row stays in its block."""
+        if not self.lookahead or self._last_plan is None or self._last_plan[0] is None:
+            return False
+        if self.device.type == "cuda" and not self._last_graphed:
+            return False
+        return all(stays_in_block(s) for s in seqs)
+
+    def _look_ahead(self, seqs: list[Sequence]) -> None:
+        """Queue the next step's forward now: the same rows and positions, over the tokens
+        this step's commit has just written on the device."""
+        made_for, plan = self._last_plan
+        width = made_for[1]
+        fast = any(s.params.cache != "none" and s.layout is None for s in seqs)
+        plan = with_new_tokens(plan, self._queries(seqs), self.pad_id)
+        logits, current = self._forward(seqs, plan, width, self.pool if fast else None, None)
+        ids = tuple(s.request_id for s in seqs)
+        self._ahead = Lookahead(made_for, ids, plan, logits, current)
+
+    def _copy_looking_ahead(self, seqs: list[Sequence], rows: torch.Tensor) -> list[list[int]]:
+        """The step's one copy, with the next step's forward queued behind it: the host waits
+        for the copy only (an event), and the device runs the next forward meanwhile."""
+        if self.device.type != "cuda":
+            self._look_ahead(seqs)
+            return rows.tolist()
+        pinned = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        pinned.copy_(rows, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._look_ahead(seqs)
+        copied.synchronize()  # the one copy (the next forward keeps the device busy)
+        return pinned.tolist()
 
     # ---- block rows' pages (issue 16) --------------------------------------------------------
     def use_pages(
@@ -295,8 +390,10 @@ class ModelRunner:
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, seqs: list[Sequence]) -> list[list[int]]:
-        """Run one step for all rows; returns each row's window after this step's commits."""
+    def step(self, seqs: list[Sequence], look_ahead: bool = True) -> list[list[int]]:
+        """Run one step for all rows; returns each row's window after this step's commits.
+        With `look_ahead` (the engine's say: no request waits to join) and rows that all stay
+        in their block, the next step's forward is queued before the copy."""
         dev = self.device
         # the forward first: everything below only reads its logits, and every small tensor
         # it builds is staged through pinned memory (no host wait), so the host prepares the
@@ -353,7 +450,11 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             w = s.window_width
             s.tokens[s.window_start : s.window_start + w] = new[i, :w]
-        host = torch.cat([new, ok[:, None].to(new.dtype)], dim=1).cpu().tolist()  # the one copy
+        rows_out = torch.cat([new, ok[:, None].to(new.dtype)], dim=1)
+        if look_ahead and self._can_look_ahead(seqs):
+            host = self._copy_looking_ahead(seqs, rows_out)
+        else:
+            host = rows_out.cpu().tolist()  # the one copy
         self.failed_rows = guard.messages([bool(row[-1]) for row in host])
         if logprobs:
             logprobs.record(new, current, ok, self.mask_id)

@@ -17,7 +17,8 @@ no weights, works per row:
 * cached rows inside a block write their span's fresh keys and values into their slot at
   their absolute positions (padding goes to the pool's spare position) and attend over the
   slot up to their length: the span is overwritten every step of the block, the rest is the
-  cache (Fast-dLLM's approximation, unchanged);
+  cache (Fast-dLLM's approximation, unchanged); rows in slots 0..n-1, in order, read the pool
+  as a view, others through one gather a layer;
 * block-diffusion rows (issue 16) keep their keys in pages (dlm_engine/paged_kv.py): their
   fresh keys are written through their page tables, then their pages are gathered into a
   per-row key layout and each query attends block-causally (keys before its block's end);

@@ -96,8 +96,7 @@ class LLaDABlock(QKVHeads, nn.Module):
         cos, sin = rope
         q, k = apply_rope_qk(q, k, cos, sin, in_fp32=True)
         att = batch.attend(layer, q, k, v).transpose(1, 2).reshape(b, t, -1)
-        x = x + self.attn_out(att)
-        h = self.ff_norm(x)
+        x, h = self.ff_norm.add_and_norm(x, self.attn_out(att))
         return x + self.ff_out(gated_mlp(self, "ff_proj", "up_proj", h))
 
     def fuse_projections(self) -> None:

@@ -231,8 +231,9 @@ class LLaDA2Layer(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, rope, batch: ForwardBatch, layer: int) -> torch.Tensor:
-        x = x + self.attention(self.input_layernorm(x), rope, batch, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.attention(self.input_layernorm(x), rope, batch, layer)
+        x, h = self.post_attention_layernorm.add_and_norm(x, attn)
+        return x + self.mlp(h)
 
 
 class _Backbone(nn.Module):

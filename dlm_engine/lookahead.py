@@ -1,0 +1,58 @@
+"""The next step's forward, queued before the host reads this step's results (issue 14).
+
+Between two in-block steps the device used to idle while the host waited for the step's
+committed windows, advanced each row and replayed the next graph: ~0.7-0.9 ms of an 8B model's
+batch-1 step of ~7.8 ms on an H100. A step's commits are written on the device
+(`Sequence.tokens`), and the next forward of a row that stays in its block reads the same
+positions with only those tokens changed. So when every row of a step will stay in its block,
+the runner queues the next step's forward right behind this step's commit, before it waits for
+the copy (`ModelRunner.step`), and the next step takes it if its rows and plan are the ones it
+was made for. Otherwise it is dropped: a row finished on a stop string, left or was aborted,
+and the device ran one forward for nothing. Tokens never change: the forward taken is the very
+one the next step would have queued, queued earlier. A request that arrives while a forward
+waits ahead joins one step later (the engine defers admission; the step a row joins never
+changes its tokens).
+
+vLLM's asynchronous scheduling hides the same host time by scheduling step N+1 before step N's
+results reach the host; here the commit already happens on the device, so only the forward
+needs to move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .decoding.commit_rules import RANK, rule_code
+from .ragged import PackedPlan
+
+
+@dataclass
+class Lookahead:
+    """A forward queued for the next step: what it was made for, and its outputs."""
+
+    made_for: tuple  # the plan's key (ModelRunner._window_logits: rows, width, pool, ...)
+    request_ids: tuple[str, ...]
+    plan: PackedPlan
+    logits: torch.Tensor  # [rows, width, V] of each row's window
+    current: torch.Tensor  # the window tokens the forward saw
+
+
+def stays_in_block(seq) -> bool:
+    """Will `seq` feed the very same query (positions, window, slot) at its next step? Only
+    when this step commits a count fixed by the schedule (rank rules: LLaDA's low-confidence
+    remasking, Dream's entropy / margin / confidence orders) that leaves masks in the block,
+    and the row is not at a cache refresh (the next query would be its first span). Rows whose
+    count depends on the logits (thresholds, Dream's `origin` draws), block-diffusion,
+    multi-block and editing rows are not predicted."""
+    p = seq.params
+    if seq.layout is not None or seq.multi is not None or seq.mbd is not None or seq.editing:
+        return False
+    if p.cache != "none" and seq.refreshing:
+        return False
+    if p.algorithm == "origin" or seq.last_forward:
+        return False
+    if rule_code(p.algorithm, seq.uses_threshold) != RANK:
+        return False
+    return seq.masks_in_block - seq.transfer_count() > 0
