@@ -17,8 +17,9 @@ no weights, works per row:
 * cached rows inside a block write their span's fresh keys and values into their slot at
   their absolute positions (padding goes to the pool's spare position) and attend over the
   slot up to their length: the span is overwritten every step of the block, the rest is the
-  cache (Fast-dLLM's approximation, unchanged); rows in slots 0..n-1, in order, read the pool
-  as a view, others through one gather a layer;
+  cache (Fast-dLLM's approximation, unchanged); laid out at their own slots (empty slots as
+  padding rows) they read the pool as a view, unless the empty slots would outnumber them
+  (then one gather a layer);
 * block-diffusion rows (issue 16) keep their keys in pages (dlm_engine/paged_kv.py): their
   fresh keys are written through their page tables, then their pages are gathered into a
   per-row key layout and each query attends block-causally (keys before its block's end);
@@ -95,8 +96,9 @@ class GroupLayout(NamedTuple):
     tq: int  # padded query width
     identity: bool  # the packed order is already the padded order: views, no gather
     keys: int = 0  # the block group's key span
-    # the span group's rows sit in pool slots 0..rows-1 in order: their keys are read as a
-    # view of the pool, not gathered (0.43 ms of an 8B model's 8.8 ms in-block step)
+    # the span group's rows are laid out at their own pool slots (slot s: row s; empty slots
+    # are padding rows): their keys are read as a view of the pool's first `rows` slots, not
+    # gathered (0.43 ms of an 8B model's 8.8 ms in-block step at batch 1)
     slots_in_place: bool = False
 
 
@@ -156,7 +158,7 @@ class PackedAttention:
                 for pool, fresh in ((self.pool.k[layer], kp), (self.pool.v[layer], vp)):
                     pool.view(-1, *pool.shape[2:]).index_copy_(0, flat, fresh.flatten(0, 1))
             mask = self._mask(f"{g}_key_mask", q.dtype)
-            if g == "span" and in_place:  # slots 0..rows-1: the same layout as a gather
+            if g == "span" and in_place:  # row r is slot r: the layout a gather would make
                 keys, values = self.pool.k[layer][:rows], self.pool.v[layer][:rows]
             elif g == "span":  # over the slot: the span just written, the cache around it
                 keys = self.pool.k[layer].index_select(0, slots)
@@ -261,51 +263,63 @@ def plan_packed(
             continue
         sel = torch.tensor(members)
         gl = qlens[sel]
-        rows = bucket_rows(len(members)) if bucket else len(members)
-        pad = rows - len(members)
+        n = len(members)
+        rows = bucket_rows(n) if bucket else n
+        place = torch.arange(n)  # each member's row in the group's padded layout
+        slots_in_place = False
+        if g == "span":  # rows placed at their own slot: keys are a view of the pool's
+            slot_of = [queries[i].slot for i in members]  # first `rows` slots, no gather
+            top = max(slot_of) + 1
+            span_rows = min(bucket_rows(top) if bucket else top, pool.rows + 1)
+            # worth it while the empty slots read along (masked) are no more than the rows:
+            # a gather copies each row's keys and values once more than a view reads them
+            if span_rows - n <= n:
+                rows, place, slots_in_place = span_rows, torch.tensor(slot_of), True
+        in_order = rows == n and bool((place == torch.arange(n)).all())
         tq = round_up(int(gl.max()), query_multiple)
         ar = torch.arange(tq)
-        identity = len(set(kinds)) == 1 and not pad and not tail and bool((gl == tq).all())
-        slots_in_place = (
-            g == "span"
-            and [queries[i].slot for i in members] == list(range(len(members)))
-            and rows <= pool.rows + 1
-        )
+        identity = len(set(kinds)) == 1 and in_order and not tail and bool((gl == tq).all())
         layout.append(GroupLayout(g, rows, tq, identity, 0, slots_in_place))
+        empty = torch.ones(rows, dtype=torch.bool)  # padding rows: no member
+        empty[place] = False
 
-        def padded(t: torch.Tensor, value: int, pad: int = pad) -> torch.Tensor:
-            return torch.cat([t, t.new_full((pad, *t.shape[1:]), value)]) if pad else t
+        def placed(t: torch.Tensor, value, in_order: bool = in_order, place=place, rows=rows):
+            """Per-member rows `t` laid out at their places, `value` in the padding rows."""
+            if in_order:
+                return t
+            out = t.new_full((rows, *t.shape[1:]), value)
+            out[place] = t
+            return out
 
         if not identity:
             q_index = offsets[sel, None] + torch.minimum(ar, gl[:, None] - 1)
-            inputs[f"{g}_q_index"] = padded(q_index, 0)
-        flat_of_row[sel] = base + torch.arange(len(members)) * tq
+            inputs[f"{g}_q_index"] = placed(q_index, 0)
+        flat_of_row[sel] = base + place * tq
         base += rows * tq
         if g == "span":  # keys: the row's pool slot up to its length
             keys = torch.arange(pool.length + 1)
-            mask = padded(keys[None, :] < lengths[sel, None], 0)
+            mask = placed(keys[None, :] < lengths[sel, None], False)
             attn_pairs += int((gl * lengths[sel]).sum())
-        elif pad or bool((gl != tq).any()) or not bucket:
-            mask = padded(ar[None, :] < gl[:, None], 0)  # keys: its own fresh tokens
+        elif not in_order or bool((gl != tq).any()) or not bucket:
+            mask = placed(ar[None, :] < gl[:, None], False)  # keys: its own fresh tokens
             attn_pairs += int((gl * gl).sum())
         else:  # no padding anywhere: unmasked attention (the flash kernel applies)
             mask = None
             attn_pairs += int((gl * gl).sum())
         if mask is not None:
-            if pad:
-                mask[len(members) :, 0] = True
+            mask[empty, 0] = True  # a padding row attends to one key (no empty softmax)
             inputs[f"{g}_key_mask"] = mask
         stored = [queries[i].slot for i in members]
         if pool is not None and any(s is not None for s in stored):
             trash = pool.trash_row
-            inputs[f"{g}_slots"] = padded(
+            inputs[f"{g}_slots"] = placed(
                 torch.tensor([trash if s is None else s for s in stored]), trash
             )
             keep = torch.tensor([s is not None for s in stored])[:, None] & (ar < gl[:, None])
             write = torch.where(keep, pos0[sel, None] + ar, pool.trash_pos)
             # flat (slot, position) of each key in the pool's [slots * (length + 1)] rows: one
             # index_copy_ a layer (an index_put over two index tensors cost twice as much)
-            write = padded(write, pool.trash_pos)
+            write = placed(write, pool.trash_pos)
             inputs[f"{g}_write_flat"] = inputs[f"{g}_slots"][:, None] * (pool.length + 1) + write
     # numpy's repeat: torch's repeat_interleave and searchsorted took 4 ms on CPU for 320 tokens
     row_of = torch.from_numpy(np.repeat(np.arange(n_rows), qlens.numpy()))

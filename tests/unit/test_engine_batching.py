@@ -206,6 +206,40 @@ def test_in_block_steps_of_one_width_need_no_gather(engines: dict[str, Engine]) 
         assert "out_index" not in shapes, rows
 
 
+def test_rows_read_their_slots_in_place_in_any_order(engines: dict[str, Engine]) -> None:
+    """Rows whose pool slots are out of order (a row left, a later one took its slot) are laid
+    out at their own slots and read the pool as a view, with bucketing on as on CUDA: the
+    in-block layout is in place but not the packed order, and every row's tokens equal its
+    run alone."""
+    eng = engines["llada"]
+    short = dict(max_tokens=8, steps=4, block_length=8, cache="dual")
+    case = dict(max_tokens=32, steps=16, block_length=8, cache="dual")
+    prompts = _prompts(eng, 4)
+    alone = [_key(eng.generate([p], case)[0]) for p in prompts[1:]]
+    runner = eng.runner
+    graphs = EagerGraphs()
+    runner.graphs, runner.length_multiple = graphs, 8
+    try:
+        first = eng.add_request(None, prompts[0], short)  # slot 0, leaves after one block
+        ids = [eng.add_request(None, p, case) for p in prompts[1:3]]  # slots 1 and 2
+        outs = []
+        while first in eng.scheduler:
+            outs += eng.step()
+        ids.append(eng.add_request(None, prompts[3], case))  # takes slot 0
+        while ids[-1] not in runner.slots:
+            outs += eng.step()
+        assert [runner.slots[i] for i in ids] == [1, 2, 0]  # running order is not slot order
+        while eng.has_unfinished():
+            outs += eng.step()
+    finally:
+        runner.graphs, runner.length_multiple = None, 1
+    final = {o.request_id: _key(o) for o in outs if o.finished}
+    assert [final[i] for i in ids] == alone
+    assert sorted(runner.slots.get(i, -1) for i in ids) == [-1, -1, -1]  # all released
+    spans = [key[-1][0] for key in graphs.keys if [g.group for g in key[-1]] == ["span"]]
+    assert any(g.slots_in_place and not g.identity and g.rows == 4 for g in spans)
+
+
 def test_reused_plans_change_no_token(engines: dict[str, Engine], monkeypatch) -> None:
     """A step whose rows did not move (cached rows inside a block) reuses the last step's
     index tensors and feeds only new tokens (dlm_engine/ragged.py `plan_key`): the same

@@ -1,0 +1,123 @@
+"""What serving adds to one request on CPU (issue 14: at most 5 ms over the in-process engine).
+
+    python benchmarks/served_overhead.py [--runs 40] [--max-tokens 8] [--out results.json]
+
+Starts the embedded tiny-dlm as `make serve` serves it (tritonserver and the OpenAI proxy on
+free ports, stopped by PID at the end) and loads the same model in this process. Each round
+runs one short request (the README question, `--max-tokens` tokens in as many steps) three
+ways in turn: in-process (chat template, tokenization, steps, detokenization, as the stub does
+them), through Triton gRPC (`dlm_client`, not streamed) and through the proxy
+(`/v1/chat/completions`, not streamed). A round's overhead is its served latency minus its own
+in-process latency, and the median over rounds is reported, so drift of the machine between
+rounds cancels out; a short request keeps the steps' own noise (a few ms a step here) small
+against the overhead measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from dlm_client import DLMClient
+from readme_chat import MESSAGES, MODEL, cpu_description
+
+from dlm_engine import Engine, EngineConfig
+from dlm_triton.launcher import Ports, TritonServerProcess
+from dlm_triton.settings import ASSETS_DIR
+
+
+def in_process(engine: Engine, params: dict) -> tuple[float, str]:
+    """One request to the end in this process: seconds and its text."""
+    t0 = time.perf_counter()
+    prompt = engine.encode_prompt(messages=MESSAGES)
+    engine.add_request(None, prompt, params)
+    text = ""
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                text = out.text
+    return time.perf_counter() - t0, text
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    ms = sorted(v * 1e3 for v in values)
+    return {
+        "median_ms": round(statistics.median(ms), 2),
+        "p10_ms": round(ms[len(ms) // 10], 2),
+        "p90_ms": round(ms[(len(ms) * 9) // 10], 2),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--out", type=Path, help="also write the figures as JSON here")
+    args = ap.parse_args()
+    params = {"max_tokens": args.max_tokens, "steps": args.max_tokens}
+    engine = Engine(EngineConfig(model=str(ASSETS_DIR / MODEL), device="cpu"))
+    lat: dict[str, list[float]] = {"engine": [], "triton": [], "proxy": []}
+    texts: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        server = TritonServerProcess(
+            ASSETS_DIR / MODEL,
+            model_name=MODEL,
+            device="cpu",
+            ports=Ports.free(),
+            log_path=Path(tmp) / "triton.log",
+            ready_timeout_s=300,
+            exit_timeout_s=5,
+            proxy=True,
+        ).start()
+        try:
+            client = DLMClient(server.urls["grpc"], model=MODEL)
+            url = server.urls["openai"] + "/chat/completions"
+            body = {"model": MODEL, "messages": MESSAGES, **params}
+            with httpx.Client() as http:
+                for i in range(args.warmup + args.runs):
+                    seconds, texts["engine"] = in_process(engine, params)
+                    t0 = time.perf_counter()
+                    texts["triton"] = client.generate(messages=MESSAGES, **params).text
+                    t1 = time.perf_counter()
+                    r = http.post(url, json=body, timeout=60)
+                    t2 = time.perf_counter()
+                    r.raise_for_status()
+                    texts["proxy"] = r.json()["choices"][0]["message"]["content"]
+                    if i >= args.warmup:
+                        lat["engine"].append(seconds)
+                        lat["triton"].append(t1 - t0)
+                        lat["proxy"].append(t2 - t1)
+        finally:
+            server.stop()
+    overhead = {
+        target: summary([s - e for s, e in zip(lat[target], lat["engine"], strict=True)])
+        for target in ("triton", "proxy")
+    }
+    result = {
+        "cpu": cpu_description(),
+        "params": params,
+        "texts": texts,
+        "latency": {k: summary(v) for k, v in lat.items()},
+        "overhead_vs_engine": overhead,
+    }
+    print(json.dumps(result["cpu"]))
+    print(f"texts: {texts}")
+    for k, v in result["latency"].items():
+        print(f"{k:<7} latency median {v['median_ms']} ms (p10 {v['p10_ms']}, p90 {v['p90_ms']})")
+    for k, v in overhead.items():
+        print(
+            f"{k:<7} minus engine, per round: median {v['median_ms']} ms "
+            f"(p10 {v['p10_ms']}, p90 {v['p90_ms']}; goal <= 5)"
+        )
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
