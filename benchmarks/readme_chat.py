@@ -17,6 +17,8 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -93,8 +95,10 @@ def engine_figures(runs: int, warmup: int) -> dict[str, Any]:
     }
 
 
-def served_figures(runs: int, warmup: int) -> dict[str, Any]:
-    """Through Triton gRPC (dlm_client) and through the proxy (HTTP, non-streaming)."""
+@contextmanager
+def embedded_server() -> Iterator[TritonServerProcess]:
+    """The embedded tiny-dlm on its own tritonserver and proxy, as `make serve` serves it
+    (free ports), stopped by PID on exit."""
     with tempfile.TemporaryDirectory() as tmp:
         server = TritonServerProcess(
             ASSETS_DIR / MODEL,
@@ -107,27 +111,32 @@ def served_figures(runs: int, warmup: int) -> dict[str, Any]:
             proxy=True,
         ).start()
         try:
-            runtime = server.runtime()
-            grpc_s: list[float] = []
-            proxy_s: list[float] = []
-            answer = ""
-            client = DLMClient(server.urls["grpc"], model=MODEL)
-            with httpx.Client() as http:
-                url = server.urls["openai"] + "/chat/completions"
-                body = {"model": MODEL, "messages": MESSAGES}
-                for i in range(warmup + runs):
-                    t0 = time.perf_counter()
-                    client.generate(messages=MESSAGES)
-                    t1 = time.perf_counter()
-                    r = http.post(url, json=body, timeout=60)
-                    t2 = time.perf_counter()
-                    r.raise_for_status()
-                    answer = r.json()["choices"][0]["message"]["content"]
-                    if i >= warmup:
-                        grpc_s.append(t1 - t0)
-                        proxy_s.append(t2 - t1)
+            yield server
         finally:
             server.stop()
+
+
+def served_figures(runs: int, warmup: int) -> dict[str, Any]:
+    """Through Triton gRPC (dlm_client) and through the proxy (HTTP, non-streaming)."""
+    grpc_s: list[float] = []
+    proxy_s: list[float] = []
+    answer = ""
+    with embedded_server() as server, httpx.Client() as http:
+        runtime = server.runtime()
+        client = DLMClient(server.urls["grpc"], model=MODEL)
+        url = server.urls["openai"] + "/chat/completions"
+        body = {"model": MODEL, "messages": MESSAGES}
+        for i in range(warmup + runs):
+            t0 = time.perf_counter()
+            client.generate(messages=MESSAGES)
+            t1 = time.perf_counter()
+            r = http.post(url, json=body, timeout=60)
+            t2 = time.perf_counter()
+            r.raise_for_status()
+            answer = r.json()["choices"][0]["message"]["content"]
+            if i >= warmup:
+                grpc_s.append(t1 - t0)
+                proxy_s.append(t2 - t1)
     return {
         "runtime": runtime,
         "answer": answer,

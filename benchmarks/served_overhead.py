@@ -18,16 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 from dlm_client import DLMClient
-from readme_chat import MESSAGES, MODEL, cpu_description
+from readme_chat import MESSAGES, MODEL, cpu_description, embedded_server
 
 from dlm_engine import Engine, EngineConfig
-from dlm_triton.launcher import Ports, TritonServerProcess
 from dlm_triton.settings import ASSETS_DIR
 
 
@@ -64,37 +62,23 @@ def main() -> None:
     engine = Engine(EngineConfig(model=str(ASSETS_DIR / MODEL), device="cpu"))
     lat: dict[str, list[float]] = {"engine": [], "triton": [], "proxy": []}
     texts: dict[str, str] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        server = TritonServerProcess(
-            ASSETS_DIR / MODEL,
-            model_name=MODEL,
-            device="cpu",
-            ports=Ports.free(),
-            log_path=Path(tmp) / "triton.log",
-            ready_timeout_s=300,
-            exit_timeout_s=5,
-            proxy=True,
-        ).start()
-        try:
-            client = DLMClient(server.urls["grpc"], model=MODEL)
-            url = server.urls["openai"] + "/chat/completions"
-            body = {"model": MODEL, "messages": MESSAGES, **params}
-            with httpx.Client() as http:
-                for i in range(args.warmup + args.runs):
-                    seconds, texts["engine"] = in_process(engine, params)
-                    t0 = time.perf_counter()
-                    texts["triton"] = client.generate(messages=MESSAGES, **params).text
-                    t1 = time.perf_counter()
-                    r = http.post(url, json=body, timeout=60)
-                    t2 = time.perf_counter()
-                    r.raise_for_status()
-                    texts["proxy"] = r.json()["choices"][0]["message"]["content"]
-                    if i >= args.warmup:
-                        lat["engine"].append(seconds)
-                        lat["triton"].append(t1 - t0)
-                        lat["proxy"].append(t2 - t1)
-        finally:
-            server.stop()
+    with embedded_server() as server, httpx.Client() as http:
+        client = DLMClient(server.urls["grpc"], model=MODEL)
+        url = server.urls["openai"] + "/chat/completions"
+        body = {"model": MODEL, "messages": MESSAGES, **params}
+        for i in range(args.warmup + args.runs):
+            seconds, texts["engine"] = in_process(engine, params)
+            t0 = time.perf_counter()
+            texts["triton"] = client.generate(messages=MESSAGES, **params).text
+            t1 = time.perf_counter()
+            r = http.post(url, json=body, timeout=60)
+            t2 = time.perf_counter()
+            r.raise_for_status()
+            texts["proxy"] = r.json()["choices"][0]["message"]["content"]
+            if i >= args.warmup:
+                lat["engine"].append(seconds)
+                lat["triton"].append(t1 - t0)
+                lat["proxy"].append(t2 - t1)
     overhead = {
         target: summary([s - e for s, e in zip(lat[target], lat["engine"], strict=True)])
         for target in ("triton", "proxy")
