@@ -38,6 +38,10 @@ class Lookahead:
     logits: torch.Tensor  # [rows, width, V] of each row's window
     current: torch.Tensor  # the window tokens the forward saw
 
+    def holds(self, seqs) -> bool:
+        """Made for exactly these rows, in this order."""
+        return self.request_ids == tuple(s.request_id for s in seqs)
+
 
 def stays_in_block(seq) -> bool:
     """Will `seq` feed the very same query (positions, window, slot) at its next step? Only

@@ -44,6 +44,11 @@ from .staging import to_device
 log = logging.getLogger(__name__)
 
 
+def _fast_dllm_rows(seqs: list[Sequence]) -> list[Sequence]:
+    """Rows with a Fast-dLLM cache (prefix or dual): their keys live in the KV pool."""
+    return [s for s in seqs if s.params.cache != "none" and s.layout is None]
+
+
 class ModelRunner:
     """Owns the model (and its KV pool and graphs) and runs batched steps over `Sequence`s."""
 
@@ -158,7 +163,7 @@ class ModelRunner:
         width = max(s.window_width for s in seqs)
         if any(s.multi is not None or s.mbd is not None for s in seqs):  # widths vary: bucket
             width = round_up(width, self.length_multiple)
-        fast = [s for s in seqs if s.params.cache != "none" and s.layout is None]  # Fast-dLLM
+        fast = _fast_dllm_rows(seqs)
         if fast:
             self._ensure_slots(fast)
             self.refreshes += any(s.refreshing for s in fast)
@@ -240,11 +245,7 @@ class ModelRunner:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
-        if (
-            made_for is not None
-            and ahead.made_for == made_for
-            and ahead.request_ids == tuple(s.request_id for s in seqs)
-        ):
+        if made_for is not None and ahead.made_for == made_for and ahead.holds(seqs):
             self.lookahead_taken += 1
             return ahead
         self.lookahead_dropped += 1
@@ -253,8 +254,7 @@ class ModelRunner:
     def holds_lookahead_for(self, seqs: list[Sequence]) -> bool:
         """A forward waits ahead for exactly these rows (the engine then admits nobody this
         step, so that it is taken, not dropped)."""
-        ahead = self._ahead
-        return ahead is not None and ahead.request_ids == tuple(s.request_id for s in seqs)
+        return self._ahead is not None and self._ahead.holds(seqs)
 
     def drop_lookahead(self) -> None:
         if self._ahead is not None:
@@ -264,7 +264,7 @@ class ModelRunner:
     def _can_look_ahead(self, seqs: list[Sequence]) -> bool:
         """This step's plan can serve the next step (plan key known, graph replayed on CUDA:
         an eager forward's launches would hold the host up) and every row stays in its block."""
-        if not self.lookahead or self._last_plan is None or self._last_plan[0] is None:
+        if not self.lookahead or self._last_plan is None:  # None: no plan key (block rows)
             return False
         if self.device.type == "cuda" and not self._last_graphed:
             return False
@@ -274,10 +274,10 @@ class ModelRunner:
         """Queue the next step's forward now: the same rows and positions, over the tokens
         this step's commit has just written on the device."""
         made_for, plan = self._last_plan
-        width = made_for[1]
-        fast = any(s.params.cache != "none" and s.layout is None for s in seqs)
+        width = plan.current_index.shape[1]  # [rows, width]: the window it was made for
+        pool = self.pool if _fast_dllm_rows(seqs) else None
         plan = with_new_tokens(plan, self._queries(seqs), self.pad_id)
-        logits, current = self._forward(seqs, plan, width, self.pool if fast else None, None)
+        logits, current = self._forward(seqs, plan, width, pool, None)
         ids = tuple(s.request_id for s in seqs)
         self._ahead = Lookahead(made_for, ids, plan, logits, current)
 

@@ -266,15 +266,15 @@ def plan_packed(
         n = len(members)
         rows = bucket_rows(n) if bucket else n
         place = torch.arange(n)  # each member's row in the group's padded layout
+        stored = [queries[i].slot for i in members]
         slots_in_place = False
         if g == "span":  # rows placed at their own slot: keys are a view of the pool's
-            slot_of = [queries[i].slot for i in members]  # first `rows` slots, no gather
-            top = max(slot_of) + 1
+            top = max(stored) + 1  # first `rows` slots, no gather (span rows all have one)
             span_rows = min(bucket_rows(top) if bucket else top, pool.rows + 1)
             # worth it while the empty slots read along (masked) are no more than the rows:
             # a gather copies each row's keys and values once more than a view reads them
             if span_rows - n <= n:
-                rows, place, slots_in_place = span_rows, torch.tensor(slot_of), True
+                rows, place, slots_in_place = span_rows, torch.tensor(stored), True
         in_order = rows == n and bool((place == torch.arange(n)).all())
         tq = round_up(int(gl.max()), query_multiple)
         ar = torch.arange(tq)
@@ -309,7 +309,6 @@ def plan_packed(
         if mask is not None:
             mask[empty, 0] = True  # a padding row attends to one key (no empty softmax)
             inputs[f"{g}_key_mask"] = mask
-        stored = [queries[i].slot for i in members]
         if pool is not None and any(s is not None for s in stored):
             trash = pool.trash_row
             inputs[f"{g}_slots"] = placed(

@@ -98,7 +98,9 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + y, this norm of it): a block's residual add and its next norm, compiled as
-        one kernel on CUDA (one launch a layer fewer), the same values as the two apart."""
+        one kernel on CUDA (one launch a layer fewer). The sum is eager `x + y` bit for bit;
+        the norm may differ in its last bf16 bit from the norm compiled apart, as that one
+        does from eager (benchmarks/gpu_check_fused.py). Eager (CPU): the same ops apart."""
         return add_rms_norm(x, y, self.weight, self.eps)
 
 
