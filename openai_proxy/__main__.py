@@ -17,6 +17,7 @@ import uvicorn
 from .app import create_app
 from .config import config_from_args
 from .drain import DrainingServer
+from .listen import listening_socket
 from .security import check_exposure
 
 
@@ -49,12 +50,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # One server on both sockets (API, and /metrics when it has its own port): one lifespan,
     # one drain; security.MetricsGate routes by the connection's local port.
-    sockets = [config.bind_socket()]
+    sockets = [listening_socket(config)]
     if cfg.metrics_port:
         metrics = uvicorn.Config(
             config.app, host=cfg.metrics_host or cfg.host, port=cfg.metrics_port
         )
-        sockets.append(metrics.bind_socket())
+        sockets.append(listening_socket(metrics))
     # uvicorn re-raises the caught signal after its graceful shutdown, so the process would die
     # "by SIGTERM" (status -15) even after a clean drain. No-op handlers make it exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
