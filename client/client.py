@@ -1,14 +1,14 @@
 """A small typed client for the dlm Triton models (gRPC streaming and HTTP).
 
 It speaks the tensor contract of docs/architecture.md and nothing more: the OpenAI surface is
-the proxy's job. Each gRPC call opens its own stream so that calls from many threads never
-share callbacks; closing a stream iterator early cancels the request on the server.
+the proxy's job. A client keeps one gRPC channel and makes one stream call per request
+(``grpc_stream``), so calls from many threads never share callbacks; closing a stream iterator
+early cancels the request on the server.
 """
 
 from __future__ import annotations
 
 import json
-import queue
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +18,8 @@ import numpy as np
 from dlm_protocol import tensors
 from dlm_protocol.errors import PREFIX_INVALID
 from dlm_protocol.response import tokens_per_forward
+
+from .grpc_stream import GrpcChannel, StreamError, infer_request
 
 OUTPUTS = tensors.OUTPUT_NAMES
 
@@ -151,19 +153,10 @@ class DLMClient:
         self.url = url
         self.model = model
         self.http_url = http_url or f"http://{url.rsplit(':', 1)[0]}:8000"
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # a gRPC request's deadline; an HTTP read's timeout
+        self._grpc = GrpcChannel(url)  # one channel, one stream call per request
 
     # ------------------------------------------------------------------ gRPC
-    def _grpc_inputs(self, arrays: dict[str, np.ndarray]) -> list:
-        import tritonclient.grpc as grpcclient
-
-        inputs = []
-        for name, array in arrays.items():
-            tensor = grpcclient.InferInput(name, list(array.shape), tensors.BY_NAME[name].datatype)
-            tensor.set_data_from_numpy(array)
-            inputs.append(tensor)
-        return inputs
-
     def stream(
         self,
         prompt: str | None = None,
@@ -175,46 +168,28 @@ class DLMClient:
         request_id: str = "",
         **sampling: Any,
     ) -> Iterator[Chunk]:
-        """Yield responses over one gRPC stream until the final one. ``sampling`` keys go in
-        the ``sampling_parameters`` tensor, ``parameters`` as Triton request parameters.
+        """Yield responses over one gRPC stream call until the final one. ``sampling`` keys go
+        in the ``sampling_parameters`` tensor, ``parameters`` as Triton request parameters.
         Stopping the iteration early cancels the request on the server."""
-        import tritonclient.grpc as grpcclient
-
         arrays = build_inputs(
             prompt, messages=messages, input_ids=input_ids, stream=stream, sampling=sampling
         )
-        responses: queue.Queue = queue.Queue()
-
-        def on_response(result: Any = None, error: Any = None) -> None:
-            responses.put((result, error))
-
-        client = grpcclient.InferenceServerClient(self.url)
-        finished = False
+        request = infer_request(self.model, arrays, OUTPUTS, request_id, parameters)
         try:
-            client.start_stream(callback=on_response)
-            client.async_stream_infer(
-                self.model,
-                self._grpc_inputs(arrays),
-                request_id=request_id,
-                parameters=parameters,
-                outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS],
-            )
-            while True:
-                try:
-                    result, error = responses.get(timeout=self.timeout_s)
-                except queue.Empty as exc:
-                    raise DLMError(f"no response within {self.timeout_s}s") from exc
-                if error is not None:
-                    finished = True
-                    raise DLMError(_error_message(error))
-                chunk = Chunk.from_fields(lambda n, r=result: _first(r.as_numpy(n)))
-                finished = chunk.final
-                yield chunk
-                if finished:
-                    return
-        finally:
-            client.stop_stream(cancel_requests=not finished)
-            client.close()
+            for result in self._grpc.stream(request, self.timeout_s, _is_final):
+                yield _chunk(result)
+        except StreamError as exc:
+            raise DLMError(str(exc)) from exc
+
+    def close(self) -> None:
+        """Close the gRPC channel (the next call opens another)."""
+        self._grpc.close()
+
+    def __enter__(self) -> DLMClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self, prompt: str | None = None, *, stream: bool = False, **kwargs: Any
@@ -286,6 +261,14 @@ class DLMClient:
         return r.status_code == 200
 
 
+def _chunk(result: Any) -> Chunk:
+    return Chunk.from_fields(lambda name: _first(result.as_numpy(name)))
+
+
+def _is_final(result: Any) -> bool:
+    return bool(_first(result.as_numpy(tensors.FINISH_REASON.name)))
+
+
 def _first(array: np.ndarray | None) -> Any:
     if array is None:
         return None
@@ -308,11 +291,6 @@ def _join(chunks: Iterator[Chunk]) -> Completion:
     return Completion("".join(parts), last.finish_reason, last.prompt_tokens,
                       last.completion_tokens, last.steps, count, logprobs,
                       last.tool_calls, last.score)  # fmt: skip
-
-
-def _error_message(error: Any) -> str:
-    message = error.message() if hasattr(error, "message") else str(error)
-    return str(message)
 
 
 def _http_error(body: bytes) -> str:

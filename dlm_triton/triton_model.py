@@ -29,6 +29,7 @@ from dlm_triton.intake import Intake
 from dlm_triton.metrics import Metrics
 from dlm_triton.request_parse import RequestError, parse_request
 from dlm_triton.settings import OPTIONAL_KEYS, config_parameters, resolve_settings
+from dlm_triton.step_metrics import STEP_METRICS_EVERY_S, StepFigures, StepMetrics
 
 try:  # only importable inside the Python backend stub
     import triton_python_backend_utils as pb_utils
@@ -54,7 +55,8 @@ class _Live:
     sender: Any
     stream: bool
     t0: float
-    first_text_at: float | None = None
+    first_text_at: float | None = None  # set by the engine thread for a non-streamed request
+    ttft_recorded: bool = False
     cancel_requested: bool = False  # the client cancelled or went away
     abort_sent: bool = False  # we aborted it (drain timeout)
     closed: bool = False
@@ -116,11 +118,14 @@ class TritonPythonModel:
         self._live_lock = threading.Lock()
         self._ids = itertools.count()
         self._outbox: queue.Queue = queue.Queue()
-        self._queue_depth: int | None = None  # the gauge's last value
-        self._queue_depth_lock = threading.Lock()
         self._closing = False
         self._stop = threading.Event()
         self.loop = EngineLoop(self.engine, on_step=self._on_step, torch_threads=self.torch_threads)
+        self.step_metrics = StepMetrics(
+            self.metrics,
+            in_flight=lambda: len(self._live),
+            queue_depth=lambda: self.loop.queue_depth,
+        )
         self._intake = Intake()
         self._sender = threading.Thread(target=self._send_loop, name="dlm-sender", daemon=True)
         self._watcher = threading.Thread(target=self._watch_loop, name="dlm-watch", daemon=True)
@@ -141,28 +146,23 @@ class TritonPythonModel:
         )
 
     def _on_step(self, rows: int) -> None:
-        """EngineLoop hook, on the engine thread after every step that ran rows: its figures go
-        to the sender thread. Each metric update is a round trip to tritonserver (0.1-0.25 ms on
-        a busy 2-core CPU); three a step on the engine thread held every step back by that."""
+        """EngineLoop hook, on the engine thread after every step that ran rows: its figures
+        are kept for the sender thread to record off the responses' path (``step_metrics``)."""
         cache = self.engine.runner.prefix_cache
         tokens = None if cache is None else (cache.lookup_tokens, cache.hit_tokens)
-        step = (rows, self.engine.last_step_seconds, self.loop.queue_depth, tokens)
-        self._outbox.put((_STEP, step))  # before the step's outputs: metrics first
+        self.step_metrics.add(StepFigures(rows, self.engine.last_step_seconds, tokens))
 
-    def _record_step(self, step: tuple) -> None:
-        rows, seconds, queue_depth, tokens = step
-        self.metrics.rows_per_step.observe(rows)
-        self.metrics.step_seconds.observe(seconds)
-        self._set_queue_depth(queue_depth)
-        if tokens is not None:
-            self.metrics.prefix_cache(*tokens)
-
-    def _set_queue_depth(self, depth: int) -> None:
-        """The queue-depth gauge, updated only when it changes (one round trip less a step)."""
-        with self._queue_depth_lock:
-            if depth != self._queue_depth:
-                self._queue_depth = depth
-                self.metrics.queue_depth.set(depth)
+    def _on_output(self, live: _Live, out: Any) -> None:
+        """Engine thread. A streamed request's outputs, every final one and every error go to
+        the sender; a non-streamed request's others only leave their first-text time and
+        logprobs here, so a lone request's steps never wake the sender thread."""
+        if live.stream or out.finished or getattr(out, "error", None):
+            self._outbox.put((live, out))
+            return
+        if out.delta_text and live.first_text_at is None:
+            live.first_text_at = time.monotonic()
+        if out.logprobs:
+            live.logprobs.extend(out.logprobs)
 
     def finalize(self) -> None:
         """Stop accepting, let running requests finish for a bounded time, abort the rest,
@@ -245,11 +245,7 @@ class TritonPythonModel:
         live = _Live(rid, request, sender, parsed.stream, t0)
         with self._live_lock:
             self._live[rid] = live
-            self.metrics.in_flight.set(len(self._live))
-        self.loop.submit(
-            rid, prompt_ids, params, lambda out, live=live: self._outbox.put((live, out))
-        )
-        self._set_queue_depth(self.loop.queue_depth)
+        self.loop.submit(rid, prompt_ids, params, lambda out, live=live: self._on_output(live, out))
 
     def _inputs(self, request: Any) -> dict[str, np.ndarray]:
         present = {}
@@ -271,20 +267,22 @@ class TritonPythonModel:
     # ------------------------------------------------------------------ sender thread
     def _send_loop(self) -> None:
         while True:
-            item = self._outbox.get()
+            try:
+                item = self._outbox.get(timeout=STEP_METRICS_EVERY_S)
+            except queue.Empty:
+                item = ()  # a tick: buffered step figures and gauges
             if item is None:
                 return
-            live, out = item
-            if live is _STEP:
+            if item:
+                live, out = item
                 try:
-                    self._record_step(out)
-                except Exception as exc:  # a metric must not stop the responses
-                    pb_utils.Logger.log_warn(f"step metrics: {exc}")
-                continue
+                    self._deliver(live, out)
+                except Exception as exc:  # never lose the final flag
+                    self._fail(live, f"internal error: {type(exc).__name__}: {exc}")
             try:
-                self._deliver(live, out)
-            except Exception as exc:  # never lose the final flag
-                self._fail(live, f"internal error: {type(exc).__name__}: {exc}")
+                self.step_metrics.record(idle=not self._live)
+            except Exception as exc:  # a metric must not stop the responses
+                pb_utils.Logger.log_warn(f"step metrics: {exc}")
 
     def _deliver(self, live: _Live, out: Any) -> None:
         if live.closed:
@@ -298,28 +296,40 @@ class TritonPythonModel:
             return
         if out.delta_text and live.first_text_at is None:
             live.first_text_at = time.monotonic()
-            self.metrics.ttft.observe(live.first_text_at - live.t0)
         if out.logprobs and not live.stream:
             live.logprobs.extend(out.logprobs)
         if not out.finished:
             if live.stream and (out.delta_text or out.canvas is not None or out.logprobs):
                 self._send(live, self._response(out.delta_text, "", out), final=False)
+            self._record_ttft(live)
             return
         text = out.delta_text if live.stream else out.text
         reason = out.finish_reason or "stop"
-        # Metrics first: a client that has its final response may read them at once.
-        m = self.metrics
-        m.outcome(reason)
-        m.e2e.observe(time.monotonic() - live.t0)
-        m.generated_tokens.increment(int(out.completion_tokens or 0))
-        if out.steps:
-            m.steps_per_request.observe(out.steps)
-            m.tokens_per_forward.observe((out.completion_tokens or 0) / out.steps)
+        finished_at = time.monotonic()
         if live.cancel_requested:  # the client is gone: end the request without a payload
             self._send(live, None, final=True)
         else:
             logprobs = out.logprobs if live.stream or out.logprobs is None else live.logprobs
             self._send(live, self._response(text or "", reason, out, logprobs), final=True)
+        self._record_request(live, out, reason, finished_at)
+
+    def _record_request(self, live: _Live, out: Any, reason: str, finished_at: float) -> None:
+        """A finished request's metrics, right after its final response: six round trips to
+        tritonserver that would otherwise stand between the last step and the answer (a
+        client reading the metrics at once may be a moment early)."""
+        m = self.metrics
+        self._record_ttft(live)
+        m.outcome(reason)
+        m.e2e.observe(finished_at - live.t0)
+        m.generated_tokens.increment(int(out.completion_tokens or 0))
+        if out.steps:
+            m.steps_per_request.observe(out.steps)
+            m.tokens_per_forward.observe((out.completion_tokens or 0) / out.steps)
+
+    def _record_ttft(self, live: _Live) -> None:
+        if live.first_text_at is not None and not live.ttft_recorded:
+            live.ttft_recorded = True
+            self.metrics.ttft.observe(live.first_text_at - live.t0)
 
     def _response(
         self, text: str, finish_reason: str, out: Any, logprobs: list | None = None
@@ -389,7 +399,6 @@ class TritonPythonModel:
         live.closed = True
         with self._live_lock:
             self._live.pop(live.rid, None)
-            self.metrics.in_flight.set(len(self._live))
 
     # ------------------------------------------------------------------ watcher thread
     def _watch_loop(self) -> None:
@@ -428,9 +437,6 @@ class TritonPythonModel:
                 if cancelled:
                     live.cancel_requested = True
                     self.loop.cancel(live.rid)
-
-
-_STEP = object()  # marks a step's metrics in the sender's queue (in place of a request)
 
 
 class _Refused(Exception):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from dlm_client import DLMClient
-from triton_metrics import read_metric
+from triton_metrics import read_metric, settled_metric
 
 from dlm_triton.launcher import Ports, TritonServerProcess
 from dlm_triton.server_dist import TritonNotFoundError, find_server
@@ -74,6 +74,12 @@ def client(triton_server: TritonServerProcess) -> DLMClient:
 def metric(triton_server: TritonServerProcess):
     """``metric(name, **labels)``: the summed value on the session server's metrics port."""
     return lambda name, **labels: read_metric(triton_server, name, **labels)
+
+
+@pytest.fixture()
+def settled(triton_server: TritonServerProcess):
+    """``settled(name)``: the metric once it stopped changing (step figures come in batches)."""
+    return lambda name: settled_metric(triton_server, name)
 
 
 @pytest.fixture()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from dlm_client import DLMClient, DLMError
-from triton_metrics import read_metric
+from triton_metrics import read_metric, settled_metric
 
 from dlm_engine import testing
 from dlm_engine.config import EngineConfig
@@ -41,7 +41,7 @@ def test_sdar_through_triton(server_factory, sdar_checkpoint: Path) -> None:
         want = engine.generate([engine.encode_prompt(text=text)], keys)[0]
         assert got.text == want.text
         assert got.finish_reason == want.finish_reason
-    hits = read_metric(server, "dlm_prefix_cache_hit_tokens_total")
+    hits = settled_metric(server, "dlm_prefix_cache_hit_tokens_total")
     page = engine.runner.block_pages.pool.page_tokens  # the server's engine pages alike
     assert hits >= len(SYSTEM) // page * page  # the second request shared the whole pages
     assert read_metric(server, "dlm_prefix_cache_lookup_tokens_total") > hits

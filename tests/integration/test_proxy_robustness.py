@@ -20,7 +20,7 @@ import openai
 import proxy_fixtures
 import pytest
 from proxy_fixtures import ProxyProcess
-from triton_metrics import read_metric
+from triton_metrics import read_metric, settled_metric
 
 from dlm_triton.launcher import Ports, TritonServerProcess, free_port
 
@@ -410,6 +410,8 @@ def test_requests_are_spread_over_ready_tritons(
     servers = [triton_server, second]
 
     def finished(s: TritonServerProcess) -> float:
+        """Recorded just after each final response (settled: the last may be a moment late)."""
+        settled_metric(s, "dlm_request_latency_seconds_count")
         return sum(read_metric(s, "dlm_requests_total", outcome=o) for o in ("stop", "length"))
 
     before = [finished(s) for s in servers]

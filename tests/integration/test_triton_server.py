@@ -14,6 +14,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from dlm_client import DLMClient, DLMError
 
+from dlm_triton.step_metrics import STEP_METRICS_EVERY_S
+
 pytestmark = pytest.mark.integration
 
 # Eight requests that differ in every setting a row carries on its own.
@@ -36,7 +38,9 @@ PROMPTS = ["Hello there", "What is 2+2?", "abc", "Tell me a story", "x", "zz top
 LONG_RUNNING = {"max_tokens": 512, "steps": 512, "stream_mode": "denoise", "regex": "a{500}"}
 
 
-def test_grpc_streams_eight_concurrent_requests_in_shared_steps(client: DLMClient, metric) -> None:
+def test_grpc_streams_eight_concurrent_requests_in_shared_steps(
+    client: DLMClient, metric, settled
+) -> None:
     count0 = metric("dlm_rows_per_step_count")
     single0 = metric("dlm_rows_per_step_bucket", le="1")
     names = ("dlm_request_latency_seconds_count", "dlm_steps_per_request_count",
@@ -60,7 +64,8 @@ def test_grpc_streams_eight_concurrent_requests_in_shared_steps(client: DLMClien
         assert 0 < final.completion_tokens <= settings["max_tokens"]
         assert 0 < final.steps <= settings["steps"]
         assert final.prompt_tokens > 0
-    steps = metric("dlm_rows_per_step_count") - count0
+    # request metrics follow each final response, step figures the last one: settled first
+    steps = settled("dlm_rows_per_step_count") - count0
     multi_row_steps = steps - (metric("dlm_rows_per_step_bucket", le="1") - single0)
     assert steps > 0 and multi_row_steps > 0, "no engine step held more than one row"
     after = {n: metric(n) for n in names}
@@ -195,7 +200,7 @@ def test_cancellation_frees_the_row(client: DLMClient, metric) -> None:
     while metric("dlm_requests_in_flight") != 1 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert metric("dlm_requests_in_flight") == 1
-    stream.close()  # tritonclient stop_stream(cancel_requests=True): a client cancel
+    stream.close()  # cancels the request's gRPC call: a client cancel
 
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -208,7 +213,7 @@ def test_cancellation_frees_the_row(client: DLMClient, metric) -> None:
     assert metric("dlm_requests_total", outcome="abort") == aborted0 + 1
     assert metric("dlm_requests_in_flight") == 0
     steps = metric("dlm_rows_per_step_count")
-    time.sleep(0.5)
+    time.sleep(STEP_METRICS_EVERY_S + 0.5)  # step figures are recorded at least this often
     assert metric("dlm_rows_per_step_count") == steps, "the engine still steps the aborted row"
     after = client.generate("still alive?", max_tokens=8, steps=8)
     assert after.finish_reason in ("stop", "length")

@@ -4,6 +4,7 @@ unlike a conftest, whose name is shared by every test folder)."""
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 
 from dlm_triton.launcher import TritonServerProcess
@@ -30,3 +31,20 @@ def read_metric(server: TritonServerProcess, name: str, **labels: str) -> float:
         if sample == name and all(f'{k}="{v}"' in label_text for k, v in labels.items()):
             total += value
     return total
+
+
+def settled_metric(
+    server: TritonServerProcess, name: str, quiet_s: float = 0.5, timeout_s: float = 30
+) -> float:
+    """``read_metric`` once it has stopped changing for ``quiet_s``. Step figures (rows and
+    wall time per step, prefix-cache tokens) are recorded in a batch right after the engine's
+    last final response (dlm_triton.step_metrics), so a client holding its answer may read
+    them a moment early."""
+    deadline = time.monotonic() + timeout_s
+    value = read_metric(server, name)
+    while True:
+        time.sleep(quiet_s)
+        again = read_metric(server, name)
+        if again == value or time.monotonic() > deadline:
+            return again
+        value = again
