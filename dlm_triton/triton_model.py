@@ -29,7 +29,7 @@ from dlm_triton.intake import Intake
 from dlm_triton.metrics import Metrics
 from dlm_triton.request_parse import RequestError, parse_request
 from dlm_triton.settings import OPTIONAL_KEYS, config_parameters, resolve_settings
-from dlm_triton.step_metrics import STEP_METRICS_EVERY_S, StepFigures, StepMetrics
+from dlm_triton.step_metrics import CATCH_UP_S, STEP_METRICS_EVERY_S, StepFigures, StepMetrics
 
 try:  # only importable inside the Python backend stub
     import triton_python_backend_utils as pb_utils
@@ -267,8 +267,9 @@ class TritonPythonModel:
     # ------------------------------------------------------------------ sender thread
     def _send_loop(self) -> None:
         while True:
+            wait = CATCH_UP_S if self.step_metrics.catching_up else STEP_METRICS_EVERY_S
             try:
-                item = self._outbox.get(timeout=STEP_METRICS_EVERY_S)
+                item = self._outbox.get(timeout=wait)
             except queue.Empty:
                 item = ()  # a tick: buffered step figures and gauges
             if item is None:
