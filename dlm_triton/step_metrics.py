@@ -65,11 +65,9 @@ class StepMetrics:
         load, once they are ``every_s`` old, ``steps_per_record`` per call until caught up;
         then the gauges that changed."""
         now = time.monotonic()
-        if idle:
-            self._record_steps(None)
-        elif self._catching_up or now - self._recorded_at >= self.every_s:
+        if idle or self._catching_up or now - self._recorded_at >= self.every_s:
             self._recorded_at = now
-            self._catching_up = self._record_steps(self.steps_per_record)
+            self._catching_up = self._record_steps(None if idle else self.steps_per_record)
         self._set_gauge("in_flight", self.in_flight())
         self._set_gauge("queue_depth", self.queue_depth())
 

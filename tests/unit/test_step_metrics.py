@@ -68,3 +68,13 @@ def test_due_steps_are_recorded_a_few_at_a_time_until_caught_up() -> None:
             break
     assert recorded == [8, 16, 20]
     assert not recorder.catching_up and metrics.prefix == []
+
+
+def test_idle_records_the_rest_and_ends_catching_up() -> None:
+    recorder, metrics = _recorder(0, {"in_flight": 0, "queue_depth": 0})
+    for _ in range(20):
+        recorder.add(StepFigures(rows=2, seconds=0.01, prefix_tokens=None))
+    recorder.record(idle=False)
+    assert recorder.catching_up and len(metrics.rows_per_step.values) == 8
+    recorder.record(idle=True)
+    assert not recorder.catching_up and len(metrics.rows_per_step.values) == 20
