@@ -38,7 +38,9 @@ class ProxyState:
         )
 
 
-def get_state(request: Request) -> ProxyState:
+# Dependencies are `async def` though they never wait: FastAPI runs a plain `def` dependency in
+# its thread pool, two thread hand-offs per call for an attribute read and a flag check.
+async def get_state(request: Request) -> ProxyState:
     return request.app.state.proxy
 
 
@@ -54,7 +56,7 @@ async def require_api_key(request: Request, state: State) -> None:
         raise error
 
 
-def not_draining(state: State) -> None:
+async def not_draining(state: State) -> None:
     """New generation calls get 503 once shutdown began (running ones may finish)."""
     if state.draining:
         cfg = state.config
