@@ -350,6 +350,11 @@ def main() -> None:
     ap.add_argument("--target", choices=("engine", "triton", "proxy"), default="engine")
     ap.add_argument("--url", help="Triton gRPC host:port or proxy base URL")
     ap.add_argument(
+        "--metrics-url",
+        help="triton/proxy targets without --serve: Triton's metrics URL, to report the "
+        "server engine's steps and rows a step per round (--serve knows it)",
+    )
+    ap.add_argument(
         "--serve",
         action="store_true",
         help="triton/proxy targets: start tritonserver (and the proxy) for --model on "
@@ -408,13 +413,15 @@ def main() -> None:
         if args.serve and args.target != "engine"
         else None
     )
-    url, name = args.url, args.model
+    url, name, metrics_url = args.url, args.model, args.metrics_url
     if server is not None:  # what it serves
         url = server.urls["grpc"] if args.target == "triton" else server.urls["openai"]
         url, name = url.removesuffix("/v1"), server.model_name
+        metrics_url = server.urls["metrics"]
         print(f"serving {args.model} as {name} at {url}", flush=True)
+    served = Served(url, name, metrics_url)
     try:
-        rows, header = run_settings(args, ns, engine, torch, peak, url, name)
+        rows, header = run_settings(args, ns, engine, torch, peak, served)
     finally:
         if server is not None:
             server.stop()
@@ -449,9 +456,48 @@ def start_server(args, max_rows: int, out: Path):
     return server.start()
 
 
-def run_settings(args, ns: list[int], engine, torch, peak, url: str | None, name: str):
-    """Every (cache, N, phase wait) setting under every arrival process: rows and header.
-    `url` and `name` address the triton / proxy target."""
+@dataclass
+class Served:
+    """Where the triton / proxy target is: its URL, model name and Triton's metrics URL."""
+
+    url: str | None
+    name: str
+    metrics_url: str | None
+
+
+def settled_scrape(metrics_url: str, quiet_s: float = 0.3, timeout_s: float = 10) -> dict:
+    """The server's step metrics once they stopped changing: step figures are recorded just
+    after the last final response (dlm_triton.step_metrics), so a round's last steps may be
+    missing from a scrape taken the moment its answers arrived."""
+    from triton_gpu_bench import scrape
+
+    deadline = time.monotonic() + timeout_s
+    value = scrape(metrics_url)
+    while True:
+        time.sleep(quiet_s)
+        again = scrape(metrics_url)
+        if again == value or time.monotonic() > deadline:
+            return again
+        value = again
+
+
+def served_steps(before: dict, after: dict) -> dict | None:
+    """The server engine's steps and mean rows a step between two scrapes: whether a burst
+    ran as one batch (N rows, the schedule's steps) or reached the engine in pieces."""
+    if not before or not after:
+        return None
+    steps = after["dlm_rows_per_step_count"] - before["dlm_rows_per_step_count"]
+    rows = after["dlm_rows_per_step_sum"] - before["dlm_rows_per_step_sum"]
+    secs = after["dlm_step_duration_seconds_sum"] - before["dlm_step_duration_seconds_sum"]
+    return {
+        "steps": int(steps),
+        "mean_rows": round(rows / steps, 2) if steps else 0,
+        "stepping_s": round(secs, 3),
+    }
+
+
+def run_settings(args, ns: list[int], engine, torch, peak, served: Served):
+    """Every (cache, N, phase wait) setting under every arrival process: rows and header."""
     sys.path.insert(0, str(Path(__file__).parent))
     from triton_gpu_bench import device_name
 
@@ -474,6 +520,7 @@ def run_settings(args, ns: list[int], engine, torch, peak, url: str | None, name
         def run(arr: list[float], k: int = n, p=prompts, m=msgs, par=params, log=None):
             if args.target == "engine":
                 return drive_engine(engine, p[:k], par, arr, log)
+            url, name = served.url, served.name
             if args.target == "triton":
                 return drive_threads(triton_sender(url, name, p, m, par), k, arr)
             return drive_threads(proxy_sender(url, name, p, m, par), k, arr)
@@ -491,6 +538,8 @@ def run_settings(args, ns: list[int], engine, torch, peak, url: str | None, name
             work0 = dict(engine.runner.work) if engine else None
             captures0 = graph_captures(engine.runner) if engine else None
             log: list[dict] | None = [] if engine is not None else None
+            metrics_url = served.metrics_url if engine is None else None
+            before = settled_scrape(metrics_url) if metrics_url else {}
             with GpuSampler() as gpu:
                 traces, wall = run(arr, log=log)
             s = summarise(traces, wall, slo)
@@ -499,6 +548,8 @@ def run_settings(args, ns: list[int], engine, torch, peak, url: str | None, name
                 row.extra["steps"] = step_summary(log, wall)
                 log_file = f"steps_{cache}_n{n}_w{wait}_{spec.replace(':', '-')}.json"
                 (Path(args.out) / log_file).write_text(json.dumps(log))
+            if metrics_url:
+                row.extra["served_steps"] = served_steps(before, settled_scrape(metrics_url))
             row.extra["phase_wait_steps"] = engine.scheduler.phase_wait_steps if engine else None
             row.extra["graph_captures"] = (
                 graph_captures(engine.runner) - captures0
@@ -556,6 +607,11 @@ def format_row(r: RoundResult) -> str:
             f" steps={st['steps']} stepping={st['stepping_s']}s outside={st['outside_steps_s']}s"
             f" capturing={st['capture_steps_s']}s rows~{st['mean_rows']}"
             if (st := r.extra.get("steps"))
+            else ""
+        )
+        + (
+            f" server steps={sv['steps']} rows~{sv['mean_rows']} stepping={sv['stepping_s']}s"
+            if (sv := r.extra.get("served_steps"))
             else ""
         )
     )

@@ -30,9 +30,14 @@ class EngineConfig:
     # requests of one burst start their first block together instead of the late ones waiting
     # for the next block start (served clients reach the engine milliseconds apart: 8 gRPC
     # streams sent "at once" landed over ~15 ms on CPU, 32 on an H100 host over more than
-    # 25 ms: the stub parses them one by one); exact rows never wait; 0 = off
-    admission_window_ms: float = 100.0
+    # 25 ms: the stub parses them one by one); exact rows never wait; 0 = off.
+    # Once a second request has come the gap grows to admission_burst_gap_ms: a burst's
+    # arrivals stall mid-way for tens of ms (32 streams through the proxy: gaps of 20-80 ms on
+    # the 2-core CPU; one 32-stream round in 18 split on the H100), while a lone request pays
+    # only the short gap (docs/architecture.md, "Gathering a burst")
+    admission_window_ms: float = 250.0
     admission_gap_ms: float = 8.0
+    admission_burst_gap_ms: float = 40.0
     cuda_graphs: bool = True  # replay captured graphs for the forwards on CUDA devices
     max_cuda_graphs: int = 96  # shapes kept captured (one shared activation pool)
     # a step that feeds whole sequences (exact rows, cached rows at a block start) over more
@@ -75,7 +80,7 @@ class EngineConfig:
         ):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"EngineConfig.{name} must be >= 0")
-        for name in ("admission_window_ms", "admission_gap_ms"):
+        for name in ("admission_window_ms", "admission_gap_ms", "admission_burst_gap_ms"):
             if not 0.0 <= float(getattr(self, name)) <= 60_000.0:
                 raise ValueError(f"EngineConfig.{name} must be in [0, 60000]")
         if not 0.0 < float(self.kv_cache_memory_fraction) <= 1.0:

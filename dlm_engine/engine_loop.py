@@ -96,22 +96,26 @@ class EngineLoop:
 
     def _gather_burst(self) -> None:
         """Before cached rows start their block phase, take the requests still arriving (until
-        none came for the admission gap, at most the admission window), so a burst's rows
-        start together (EngineConfig.admission_window_ms says why)."""
+        none came for the admission gap, the longer burst gap once a second request came, at
+        most the admission window), so a burst's rows start together
+        (EngineConfig.admission_window_ms says why)."""
         config = self.engine.config
         window, gap = config.admission_window_ms / 1e3, config.admission_gap_ms / 1e3
         if window <= 0 or gap <= 0:
             return
+        burst_gap = max(gap, config.admission_burst_gap_ms / 1e3)
         deadline = time.monotonic() + window
+        arrivals = len(self.engine.scheduler.waiting)
         while not self._stop.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
                 return
             try:
-                item = self._inbox.get(timeout=min(gap, left))
+                item = self._inbox.get(timeout=min(gap if arrivals < 2 else burst_gap, left))
             except queue.Empty:
                 return
             self._handle(item)
+            arrivals += item[0] == "add"
 
     def _handle(self, item: tuple) -> None:
         if item[0] == "add":

@@ -33,6 +33,7 @@ ENV_OVERRIDES = {
     "cuda_graph_max_tokens": "DLM_CUDA_GRAPH_MAX_TOKENS",
     "admission_window_ms": "DLM_ADMISSION_WINDOW_MS",
     "admission_gap_ms": "DLM_ADMISSION_GAP_MS",
+    "admission_burst_gap_ms": "DLM_ADMISSION_BURST_GAP_MS",
 }
 # unset: the engine's defaults (EngineConfig)
 INT_KEYS = (
@@ -45,7 +46,12 @@ INT_KEYS = (
     "phase_wait_steps",
     "cuda_graph_max_tokens",
 )
-FLOAT_KEYS = ("kv_cache_memory_fraction", "admission_window_ms", "admission_gap_ms")
+FLOAT_KEYS = (
+    "kv_cache_memory_fraction",
+    "admission_window_ms",
+    "admission_gap_ms",
+    "admission_burst_gap_ms",
+)
 OPTIONAL_KEYS = (
     "kv_cache_tokens",
     "kv_cache_memory_fraction",
@@ -54,6 +60,7 @@ OPTIONAL_KEYS = (
     "cuda_graph_max_tokens",
     "admission_window_ms",
     "admission_gap_ms",
+    "admission_burst_gap_ms",
 )
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "dlm_engine" / "assets"
 
@@ -76,6 +83,7 @@ class InstanceSettings:
     cuda_graph_max_tokens: int | None = None
     admission_window_ms: float | None = None
     admission_gap_ms: float | None = None
+    admission_burst_gap_ms: float | None = None
 
 
 def config_parameters(model_config: dict) -> dict[str, str]:

@@ -158,13 +158,22 @@ def test_scheduling_settings_reach_the_engine_config() -> None:
     )
     assert (s.phase_wait_steps, s.cuda_graph_max_tokens) == (0, 1024)
     s = resolve_settings(
-        {"checkpoint": "x", "admission_window_ms": "12.5"},
+        {"checkpoint": "x", "admission_window_ms": "12.5", "admission_burst_gap_ms": "30"},
         environ={"DLM_ADMISSION_GAP_MS": "0"},
     )
-    assert (s.admission_window_ms, s.admission_gap_ms) == (12.5, 0.0)
+    assert (s.admission_window_ms, s.admission_gap_ms, s.admission_burst_gap_ms) == (
+        12.5,
+        0.0,
+        30.0,
+    )
+    s = resolve_settings({"checkpoint": "x"}, environ={"DLM_ADMISSION_BURST_GAP_MS": "55"})
+    assert s.admission_burst_gap_ms == 55.0
     unset = resolve_settings({"checkpoint": "x"}, environ={})
     assert unset.phase_wait_steps is unset.cuda_graph_max_tokens is None
     assert unset.admission_window_ms is unset.admission_gap_ms is None
+    assert unset.admission_burst_gap_ms is None
+    with pytest.raises(ValueError, match="admission_burst_gap_ms"):
+        EngineConfig(model="x", admission_burst_gap_ms=-5)
     with pytest.raises(ValueError, match="admission_gap_ms"):
         resolve_settings({"checkpoint": "x", "admission_gap_ms": "soon"}, environ={})
     with pytest.raises(ValueError, match="admission_window_ms"):

@@ -114,6 +114,24 @@ def test_an_idle_engine_gathers_a_burst_of_cached_rows(ckpt_dir: dict[str, Path]
     assert done == {"r0": alone, "r1": alone, "r2": alone}
 
 
+def test_a_burst_tolerates_longer_gaps_than_a_lone_request(ckpt_dir: dict[str, Path]) -> None:
+    """Once a second request has come, a stall in the burst up to the burst gap does not end
+    the gathering (gap 1 s, burst gap 4 s: the third request, 2 s after the second, still
+    joins the first step); a lone request waits only the short gap (the second one, 3 s
+    later, misses the first step)."""
+    model = str(ckpt_dir["llada"])
+    cfg = EngineConfig(
+        model=model,
+        admission_gap_ms=1_000,
+        admission_burst_gap_ms=4_000,
+        admission_window_ms=30_000,
+    )
+    rows, _ = _loop_first_step(Engine(cfg), [(0.0, PARAMS), (0.1, PARAMS), (2.0, PARAMS)])
+    assert rows == [3]
+    rows, _ = _loop_first_step(Engine(cfg), [(0.0, PARAMS), (3.0, PARAMS)])
+    assert rows == [1]
+
+
 def test_the_admission_window_caps_the_wait_and_spares_exact_rows(
     ckpt_dir: dict[str, Path],
 ) -> None:
