@@ -85,6 +85,12 @@ class Metrics:
             counter,
         )
         self._prefix_seen = (0, 0)
+        self.gc_frozen_objects = self._metric(
+            "dlm_gc_frozen_objects",
+            "Objects of the model process frozen after load (gc.freeze): out of the cyclic "
+            "collector's sight, so its full collections stay short",
+            gauge,
+        )
         self.restarts = self._metric(
             "dlm_model_restarts_total",
             "Times the launcher restarted the server because the model (stub) or server died",

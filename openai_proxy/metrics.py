@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -60,6 +61,10 @@ class ProxyMetrics:
             "dlm_proxy_triton_ready": (
                 "Triton URLs that answered ready at the last probe.",
                 sum(1 for h in backend.health() if h["ready"]),
+            ),
+            "dlm_proxy_gc_frozen_objects": (
+                "Objects frozen at startup (gc.freeze), out of the cyclic collector's sight.",
+                gc.get_freeze_count(),
             ),
         }
         counters = {

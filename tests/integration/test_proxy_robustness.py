@@ -169,6 +169,20 @@ def test_malformed_requests_get_clear_4xx_while_good_streams_complete(
 
 
 # ------------------------------------------------------------------------------------------------
+# Startup objects frozen out of the cyclic collector's sight
+
+
+def test_proxy_and_model_freeze_their_startup_objects(
+    proxy: ProxyProcess, metric: Callable[..., float]
+) -> None:
+    """Both processes freeze what they loaded (gc.freeze), so a full collection never stops
+    the proxy's event loop or the engine thread for long: each reports the frozen count, and
+    a loaded app or model is tens of thousands of objects, not a handful."""
+    assert proxy_metric(proxy, "dlm_proxy_gc_frozen_objects") > 10_000
+    assert metric("dlm_gc_frozen_objects") > 10_000
+
+
+# ------------------------------------------------------------------------------------------------
 # Client disconnects free the Triton row
 
 
