@@ -97,8 +97,8 @@ class EngineLoop:
     def _gather_burst(self) -> None:
         """Before cached rows start their block phase, take the requests still arriving (until
         none came for the admission gap, the longer burst gap once a second request came, at
-        most the admission window), so a burst's rows start together
-        (EngineConfig.admission_window_ms says why)."""
+        most the admission window, or until the waiting rows fill a step), so a burst's rows
+        start together (EngineConfig.admission_window_ms says why)."""
         config = self.engine.config
         window, gap = config.admission_window_ms / 1e3, config.admission_gap_ms / 1e3
         if window <= 0 or gap <= 0:
@@ -106,7 +106,7 @@ class EngineLoop:
         burst_gap = max(gap, config.admission_burst_gap_ms / 1e3)
         deadline = time.monotonic() + window
         arrivals = len(self.engine.scheduler.waiting)
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self.engine.scheduler.waiting_fill_a_step():
             left = deadline - time.monotonic()
             if left <= 0:
                 return

@@ -82,6 +82,13 @@ class Scheduler:
         rows run: waiting then would slow their steps."""
         return not self.running and any(_phased(s) for s in self.waiting)
 
+    def waiting_fill_a_step(self) -> bool:
+        """True when the waiting requests alone use a whole step's rows or tokens: one that
+        arrives now could not join the next step, so gathering a burst longer gains nothing."""
+        rows = sum(s.rows for s in self.waiting)
+        tokens = sum(s.step_tokens * s.rows for s in self.waiting)
+        return rows >= self.max_rows or tokens >= self.max_step_tokens
+
     def _cached_rows_in_phase(self) -> bool:
         """True when a cached row joining now would refresh together with the running ones.
         Fast-dLLM rows only: a multi-block row's cache follows its own blocks (no block start)."""

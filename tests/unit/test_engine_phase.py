@@ -132,6 +132,26 @@ def test_a_burst_tolerates_longer_gaps_than_a_lone_request(ckpt_dir: dict[str, P
     assert rows == [1]
 
 
+def test_gathering_ends_once_the_waiting_rows_fill_a_step(ckpt_dir: dict[str, Path]) -> None:
+    """With max_rows 2 the second request fills the first step: the loop steps at once
+    instead of waiting out a 60 s gap (both answers come long before it); tokens as alone."""
+    cfg = EngineConfig(
+        model=str(ckpt_dir["llada"]),
+        max_rows=2,
+        admission_gap_ms=60_000,
+        admission_burst_gap_ms=60_000,
+        admission_window_ms=60_000,
+    )
+    eng = Engine(cfg)
+    start = time.monotonic()
+    rows, done = _loop_first_step(eng, [(0.0, PARAMS), (0.1, PARAMS)])
+    assert time.monotonic() - start < 50  # a wait for the gap alone would take 60 s
+    assert rows == [2]
+    p = eng.encode_prompt(messages=[{"role": "user", "content": SAMPLE_PROMPTS[0]}])
+    alone = eng.generate([p], PARAMS)[0].token_ids
+    assert done == {"r0": alone, "r1": alone}
+
+
 def test_the_admission_window_caps_the_wait_and_spares_exact_rows(
     ckpt_dir: dict[str, Path],
 ) -> None:
