@@ -70,23 +70,37 @@ def main() -> None:
     engine = Engine(EngineConfig(model=str(ASSETS_DIR / MODEL), device="cpu"))
     lat: dict[str, list[float]] = {"engine": [], "triton": [], "proxy": []}
     texts: dict[str, str] = {}
+    first: dict[str, list[bool]] = {"triton": [], "proxy": []}  # per round: went first?
     with embedded_server() as server, httpx.Client() as http:
         client = DLMClient(server.urls["grpc"], model=MODEL)
         url = server.urls["openai"] + "/chat/completions"
         body = {"model": MODEL, "messages": MESSAGES, **params}
+
+        def via_triton() -> str:
+            return client.generate(messages=MESSAGES, **params).text
+
+        def via_proxy() -> str:
+            r = http.post(url, json=body, timeout=60)
+            r.raise_for_status()
+            return r.json()["choices"][0]["message"]["content"]
+
+        served = {"triton": via_triton, "proxy": via_proxy}
         for i in range(args.warmup + args.runs):
             seconds, texts["engine"] = in_process(engine, params)
-            t0 = time.perf_counter()
-            texts["triton"] = client.generate(messages=MESSAGES, **params).text
-            t1 = time.perf_counter()
-            r = http.post(url, json=body, timeout=60)
-            t2 = time.perf_counter()
-            r.raise_for_status()
-            texts["proxy"] = r.json()["choices"][0]["message"]["content"]
+            # the served targets take turns at going first: the one right after the in-process
+            # request shares the two cores with this process's intra-op threads as they wind
+            # down, which cost it 1-2 ms here (stop 30)
+            order = ("triton", "proxy") if i % 2 == 0 else ("proxy", "triton")
+            took = {}
+            for target in order:
+                t0 = time.perf_counter()
+                texts[target] = served[target]()
+                took[target] = time.perf_counter() - t0
             if i >= args.warmup:
                 lat["engine"].append(seconds)
-                lat["triton"].append(t1 - t0)
-                lat["proxy"].append(t2 - t1)
+                for target in order:
+                    lat[target].append(took[target])
+                    first[target].append(target == order[0])
         # The same request back to back on one connection, as a script calling in a loop does
         # (the proxy's Nagle delay showed only there, docs/benchmarks.md): each target's
         # median against the in-process median of the rounds above.
@@ -101,6 +115,19 @@ def main() -> None:
         target: summary([s - e for s, e in zip(lat[target], lat["engine"], strict=True)])
         for target in ("triton", "proxy")
     }
+    by_position = {
+        target: {
+            position: summary(
+                [
+                    s - e
+                    for s, e, f in zip(lat[target], lat["engine"], first[target], strict=True)
+                    if f == (position == "first")
+                ]
+            )
+            for position in ("first", "second")
+        }
+        for target in ("triton", "proxy")
+    }
     engine_median = statistics.median(lat["engine"])
     back_to_back = {
         target: summary([s - engine_median for s in values]) for target, values in in_a_row.items()
@@ -111,6 +138,7 @@ def main() -> None:
         "texts": texts,
         "latency": {k: summary(v) for k, v in lat.items()},
         "overhead_vs_engine": overhead,
+        "overhead_by_position": by_position,
         "back_to_back_minus_engine_median": back_to_back,
     }
     print(json.dumps(result["cpu"]))
@@ -121,6 +149,11 @@ def main() -> None:
         print(
             f"{k:<7} minus engine, per round: median {v['median_ms']} ms "
             f"(p10 {v['p10_ms']}, p90 {v['p90_ms']}; goal <= 5)"
+        )
+    for k, v in by_position.items():
+        print(
+            f"{k:<7} minus engine, going first / second: median {v['first']['median_ms']} / "
+            f"{v['second']['median_ms']} ms"
         )
     for k, v in back_to_back.items():
         print(
