@@ -9,6 +9,10 @@
 # running the benchmark, the launcher puts its bin/ first on PATH for the stub and finds the
 # server through the pack's `pytriton` folder (dlm_triton/server_dist.py, wheel layout).
 #
+# Wheels the pack lacks (llguidance) go in gpu_wheels/ (git-ignored; carry it):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d gpu_wheels llguidance==1.6.1
+#
 #   benchmarks/triton_gpu_device.sh OUT_DIR [triton_gpu_bench.py arguments...]
 #   BENCH_SCRIPT=benchmarks/traffic.py benchmarks/triton_gpu_device.sh OUT_DIR --target triton \
 #       --serve --device cuda --model random:llada-8b --requests 8 --caches dual
@@ -30,6 +34,13 @@ with tarfile.open(sys.argv[1]) as tar:
 EOF
 # a regular package: wins over any other pytriton on the path (a namespace portion would not)
 touch "$site/pytriton/__init__.py"
+# Wheels the pack lacks, put in gpu_wheels/ here and carried (git-ignored): llguidance, which
+# the engine imports (with it only on PYTHONPATH the model failed to load in the stub).
+# They stay out of the pack, which with the tree is already near the 64 MiB a call carries.
+if compgen -G "$repo/gpu_wheels/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" \
+        "$repo"/gpu_wheels/*.whl
+fi
 ln -sfn "$repo/client" "$site/dlm_client"
 torch_site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
 # The 3.12 stub embeds the system libpython3.12: build the venv on that interpreter if present.
