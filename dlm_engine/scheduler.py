@@ -20,7 +20,7 @@ end, and the requests behind it wait too, so a long request is never starved by 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from .errors import EngineOverloadedError
 from .sequence import Sequence
@@ -56,8 +56,7 @@ class Scheduler:
     def admit(self) -> None:
         """Move waiting requests into the batch, lowest priority value first (arrival order
         among equals), while rows and tokens allow (at least one)."""
-        rows = sum(s.rows for s in self.running)
-        tokens = sum(s.step_tokens * s.rows for s in self.running)
+        rows, tokens = _budget_use(self.running)
         in_phase = self._cached_rows_in_phase()
         for seq in sorted(self.waiting, key=_priority):  # stable: FIFO within a priority
             fits = (
@@ -85,8 +84,7 @@ class Scheduler:
     def waiting_fill_a_step(self) -> bool:
         """True when the waiting requests alone use a whole step's rows or tokens: one that
         arrives now could not join the next step, so gathering a burst longer gains nothing."""
-        rows = sum(s.rows for s in self.waiting)
-        tokens = sum(s.step_tokens * s.rows for s in self.waiting)
+        rows, tokens = _budget_use(self.waiting)
         return rows >= self.max_rows or tokens >= self.max_step_tokens
 
     def _cached_rows_in_phase(self) -> bool:
@@ -123,6 +121,13 @@ class Scheduler:
 
     def __contains__(self, request_id: str) -> bool:
         return any(s.request_id == request_id for s in (*self.running, *self.waiting))
+
+
+def _budget_use(seqs: Iterable[Sequence]) -> tuple[int, int]:
+    """The rows and tokens these requests take of a step's `max_rows` / `max_step_tokens`
+    (classifier-free guidance counts a row twice)."""
+    seqs = list(seqs)
+    return sum(s.rows for s in seqs), sum(s.step_tokens * s.rows for s in seqs)
 
 
 def _phased(seq: Sequence) -> bool:
