@@ -20,7 +20,7 @@ end, and the requests behind it wait too, so a long request is never starved by 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection
 
 from .errors import EngineOverloadedError
 from .sequence import Sequence
@@ -123,10 +123,9 @@ class Scheduler:
         return any(s.request_id == request_id for s in (*self.running, *self.waiting))
 
 
-def _budget_use(seqs: Iterable[Sequence]) -> tuple[int, int]:
+def _budget_use(seqs: Collection[Sequence]) -> tuple[int, int]:
     """The rows and tokens these requests take of a step's `max_rows` / `max_step_tokens`
     (classifier-free guidance counts a row twice)."""
-    seqs = list(seqs)
     return sum(s.rows for s in seqs), sum(s.step_tokens * s.rows for s in seqs)
 
 

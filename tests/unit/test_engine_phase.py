@@ -98,6 +98,12 @@ def _loop_first_step(
     return rows[:1], done
 
 
+def _alone(eng: Engine) -> list[int]:
+    """The tokens of `_loop_first_step`'s request run alone."""
+    p = eng.encode_prompt(messages=[{"role": "user", "content": SAMPLE_PROMPTS[0]}])
+    return eng.generate([p], PARAMS)[0].token_ids
+
+
 def test_an_idle_engine_gathers_a_burst_of_cached_rows(ckpt_dir: dict[str, Path]) -> None:
     """Served requests of one burst reach the engine milliseconds apart: the first cached
     row waits for the rest (gap 3 s, window 6 s: only the quiet gap after the last arrival
@@ -109,8 +115,7 @@ def test_an_idle_engine_gathers_a_burst_of_cached_rows(ckpt_dir: dict[str, Path]
     eng = Engine(cfg)
     rows, done = _loop_first_step(eng, [(0.0, PARAMS), (0.2, PARAMS), (0.2, PARAMS)])
     assert rows == [3]
-    p = eng.encode_prompt(messages=[{"role": "user", "content": SAMPLE_PROMPTS[0]}])
-    alone = eng.generate([p], PARAMS)[0].token_ids
+    alone = _alone(eng)
     assert done == {"r0": alone, "r1": alone, "r2": alone}
 
 
@@ -147,8 +152,7 @@ def test_gathering_ends_once_the_waiting_rows_fill_a_step(ckpt_dir: dict[str, Pa
     rows, done = _loop_first_step(eng, [(0.0, PARAMS), (0.1, PARAMS)])
     assert time.monotonic() - start < 50  # a wait for the gap alone would take 60 s
     assert rows == [2]
-    p = eng.encode_prompt(messages=[{"role": "user", "content": SAMPLE_PROMPTS[0]}])
-    alone = eng.generate([p], PARAMS)[0].token_ids
+    alone = _alone(eng)
     assert done == {"r0": alone, "r1": alone}
 
 
