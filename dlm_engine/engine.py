@@ -19,6 +19,7 @@ import torch
 from dlm_protocol.response import CHAT_ROLES, FINISH_TOOL_CALLS
 
 from .config import EngineConfig
+from .decoding.logit_bias import check_vocab
 from .decoding.logprobs import LogprobStream, TokenTexts
 from .decoding.structured import StructuredOutput
 from .errors import InvalidRequestError
@@ -199,18 +200,18 @@ class Engine:
         """Validate request settings for this model (pure: safe to call from any thread)."""
         if not isinstance(params, SamplingParams):
             params = SamplingParams.from_dict(params)
-        return self.structured.check(
-            resolve(
-                params,
-                family=self.family.name,
-                default_algorithm=self.family.default_algorithm,
-                uses_blocks=self.family.uses_blocks_by_default,
-                max_canvas=self.config.max_canvas,
-                default_max_tokens=self.config.default_max_tokens,
-                model_defaults=self.loaded.decoding_defaults,
-                model_block=self.model_block,
-            )
+        resolved = resolve(
+            params,
+            family=self.family.name,
+            default_algorithm=self.family.default_algorithm,
+            uses_blocks=self.family.uses_blocks_by_default,
+            max_canvas=self.config.max_canvas,
+            default_max_tokens=self.config.default_max_tokens,
+            model_defaults=self.loaded.decoding_defaults,
+            model_block=self.model_block,
         )
+        check_vocab(resolved.logit_bias, self.runner.model_vocab)
+        return self.structured.check(resolved)
 
     def add_request(
         self,

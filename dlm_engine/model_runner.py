@@ -22,6 +22,7 @@ from .cuda_graphs import GraphCache, round_up, worth_a_graph
 from .decoding import RowDecode, RowIndex, propose, select_transfers
 from .decoding.commit_rules import CommitPlan, row_rule
 from .decoding.constraints import ConstrainedStep, ConstraintRuntime
+from .decoding.logit_bias import LogitBiasStep
 from .decoding.proposals import safe_probabilities
 from .kv_cache import KVPool
 from .lookahead import Lookahead, stays_in_block
@@ -424,6 +425,9 @@ class ModelRunner:
         logprobs = LogprobStep.build(seqs, dev)  # issue 17: only rows that ask
         if logprobs:  # before anything below edits the logits in place
             logprobs.capture(logits)
+        bias = LogitBiasStep.build(seqs, dev)  # OpenAI's logit_bias: only rows that carry one
+        if bias:  # before grammar masks, the commit rule's scores and the proposals read them
+            bias.apply(logits)
         if constrained:  # grammar rows: masks on the CPU while the forward runs, then in order
             constrained.prepare()
             forced = constrained.commit(logits, current)

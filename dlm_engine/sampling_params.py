@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dlm_protocol import PARAMS, parse_params
+from dlm_protocol.logit_bias import token_biases
 from dlm_protocol.params import (
     ALGORITHMS,
     BLOCK_ALGORITHM_KEYS,
@@ -114,6 +115,9 @@ class ResolvedParams:
     tools: ToolSpec | None = None  # issue 17: tool calling (tools.py); None also for `none`
     score: int | None = None  # issue 17: score the prompt with this many MC samples (scoring.py)
     priority: int = 0  # issue 14: admission order, lower first (scheduler.py)
+    # OpenAI's logit_bias: (token id, bias) pairs added to the window logits each step
+    # (decoding/logit_bias.py); None = no bias
+    logit_bias: tuple[tuple[int, float], ...] | None = None
     # issue 16: a block-diffusion model's request: blocks aligned to absolute positions,
     # `steps` counted per block (block_diffusion.py)
     block_diffusion: bool = False
@@ -268,6 +272,7 @@ def _shared_fields(p: SamplingParams) -> dict[str, Any]:
         "tools": tools,
         "score": _score(p, constraint),
         "priority": p.priority,
+        "logit_bias": tuple(sorted(token_biases(p.logit_bias).items())) or None,
     }
 
 
@@ -275,6 +280,8 @@ def _score(p: SamplingParams, constraint: Constraint | None) -> int | None:
     """Monte-Carlo samples of a scoring request (`score: true`), None when generating."""
     if not p.score:
         return None
+    if token_biases(p.logit_bias):
+        raise InvalidRequestError("logit_bias", "does not apply to scoring (score)")
     if constraint is not None:
         raise InvalidRequestError("score", f"scores a text; {constraint.field} does not apply")
     return p.mc_samples or DEFAULT_MC_SAMPLES

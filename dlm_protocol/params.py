@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import structure_shapes
+from . import logit_bias, structure_shapes
 from .errors import InvalidRequestError
 
 # issue 16: the commit rules of block-diffusion models (SDAR `remasking_strategy`)
@@ -662,9 +662,9 @@ LOGPROB_PARAMS = (
         "logprobs",
         INT,
         "Report each completion token's log-probability under the model's distribution at its "
-        "position in the step that committed it (logits / temperature, before top-p / top-k, "
-        "EOS suppression or grammar masks; temperature 0 reads as 1), the step, and this many "
-        "most likely alternatives (0 = the token alone). Absent = off (no cost).",
+        "position in the step that committed it (logits / temperature, before `logit_bias`, "
+        "top-p / top-k, EOS suppression or grammar masks; temperature 0 reads as 1), the step, "
+        "and this many most likely alternatives (0 = the token alone). Absent = off (no cost).",
         default_doc="none (off)",
         minimum=0,
         maximum=MAX_LOGPROBS,
@@ -736,8 +736,31 @@ SCORING_PARAMS = (
         examples=(8, 0),
     ),
 )
+# ---- OpenAI's logit_bias: added to every canvas position's logits before the commit rule ----
+BIAS_PARAMS = (
+    Param(
+        "logit_bias",
+        JSON,
+        "Map of token id (a string or an integer) to a bias in [-100, 100], added to that "
+        "token's logit at every canvas position of every step, before temperature, top-p / "
+        "top-k, EOS suppression, grammar masks and the commit rule (OpenAI's meaning: -100 bans "
+        "a token, +100 all but forces it). `logprobs` stay the model's own distribution.",
+        default_doc="none",
+        relations=f"ids below the model's vocabulary size; at most {logit_bias.MAX_ENTRIES} "
+        "entries; not with scoring",
+        openai=True,
+        examples=({"42": -100}, {"x": 1}),
+        shape=logit_bias.shape,
+    ),
+)
 PARAMS = (
-    PARAMS + ACCELERATION_PARAMS + STRUCTURE_PARAMS + LOGPROB_PARAMS + TOOL_PARAMS + SCORING_PARAMS
+    PARAMS
+    + ACCELERATION_PARAMS
+    + STRUCTURE_PARAMS
+    + LOGPROB_PARAMS
+    + TOOL_PARAMS
+    + SCORING_PARAMS
+    + BIAS_PARAMS
 )
 
 BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}

@@ -1,7 +1,7 @@
 """Pydantic models of the OpenAI API subset we serve, plus the diffusion extensions.
 
 Request models forbid unknown fields and reject OpenAI features a diffusion model cannot honour
-(penalties, logit_bias, audio, ...) with a 400 naming the field, instead of silently ignoring
+(penalties, audio, ...) with a 400 naming the field, instead of silently ignoring
 them. Structured output (`response_format`, `regex`, `choice`, `grammar`), `logprobs` and tool
 calls (`tools`, `tool_choice`, `parallel_tool_calls`) are supported: those are keys of the
 request contract, like the diffusion keys below (chat's boolean `logprobs` + `top_logprobs` map
@@ -54,7 +54,6 @@ ALIASES: dict[str, tuple[str, ...]] = {
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
@@ -63,9 +62,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "prediction": (None,),
     "reasoning_effort": (None,),
     "web_search_options": (None,),
-    "service_tier": (None, "auto", "default"),
-    "store": (None, False),
-    "metadata": (None, {}),
     "best_of": (None, 1),
     "suffix": (None, ""),
 }
@@ -80,6 +76,12 @@ DIFFUSION_KEYS = tuple(
 )
 
 _Unsupported = SkipJsonSchema[Any]
+
+# OpenAI's `metadata` limits, and its service tiers (accepted; this server has one)
+MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 
 
 class StreamOptions(BaseModel):
@@ -144,11 +146,35 @@ class _RequestBase(_ContractFields):
     user: str | None = Field(None, description="Accepted for compatibility; not used.")
     safety_identifier: str | None = Field(None, description="Accepted; not used.")
     prompt_cache_key: str | None = Field(None, description="Accepted; not used.")
+    # What agent and chain frameworks send with every request (LangChain, the OpenAI Agents
+    # SDK): accepted in OpenAI's shape and ignored, since they change no token.
+    metadata: dict[str, str] | None = Field(
+        None,
+        description=f"Up to {MAX_METADATA_KEYS} string keys (at most {MAX_METADATA_KEY} "
+        f"characters) with string values (at most {MAX_METADATA_VALUE}). Accepted; not used.",
+    )
+    store: bool | None = Field(None, description="Accepted; nothing is stored.")
+    service_tier: Literal[SERVICE_TIERS] | None = Field(  # type: ignore[valid-type]
+        None, description="Accepted; one tier here."
+    )
+
+    @field_validator("metadata", mode="after")
+    @classmethod
+    def _metadata_shape(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return value
+        if len(value) > MAX_METADATA_KEYS:
+            raise ValueError(f"at most {MAX_METADATA_KEYS} keys")
+        for key, text in value.items():
+            if len(key) > MAX_METADATA_KEY:
+                raise ValueError(f"key {key[:20]!r}... longer than {MAX_METADATA_KEY} characters")
+            if len(text) > MAX_METADATA_VALUE:
+                raise ValueError(f"value of {key!r} longer than {MAX_METADATA_VALUE} characters")
+        return value
 
     # Known OpenAI fields we reject unless neutral (hidden from the schema; see the docs).
     functions: _Unsupported = None
     function_call: _Unsupported = None
-    logit_bias: _Unsupported = None
     presence_penalty: _Unsupported = None
     frequency_penalty: _Unsupported = None
     repetition_penalty: _Unsupported = None
@@ -157,9 +183,6 @@ class _RequestBase(_ContractFields):
     prediction: _Unsupported = None
     reasoning_effort: _Unsupported = None
     web_search_options: _Unsupported = None
-    service_tier: _Unsupported = None
-    store: _Unsupported = None
-    metadata: _Unsupported = None
 
     @model_validator(mode="before")
     @classmethod

@@ -68,9 +68,9 @@ def test_valid_request_gets_503_when_triton_is_down(client: TestClient) -> None:
 
 def test_invalid_requests_are_400_before_triton_is_asked(client: TestClient) -> None:
     err = assert_openai_error(
-        client.post("/v1/chat/completions", json={**CHAT, "logit_bias": {"1": 2}}), 400
+        client.post("/v1/chat/completions", json={**CHAT, "presence_penalty": 1}), 400
     )
-    assert err["param"] == "logit_bias" and "not supported" in err["message"]
+    assert err["param"] == "presence_penalty" and "not supported" in err["message"]
     err = assert_openai_error(client.post("/v1/chat/completions", json={"model": "m"}), 400)
     assert err["param"] == "messages"
     err = assert_openai_error(
@@ -161,7 +161,8 @@ def test_openapi_documents_diffusion_fields(client: TestClient) -> None:
     assert threshold["exclusiveMinimum"] == 0 and threshold["maximum"] == 20
     algorithms = next(s for s in props["algorithm"]["anyOf"] if "enum" in s)["enum"]
     assert "low_confidence" in algorithms and "entropy" in algorithms
-    assert "logit_bias" not in props  # rejected fields are not advertised
+    assert "presence_penalty" not in props  # rejected fields are not advertised
+    assert "logit_bias" in props and "metadata" in props
     assert "logprobs" in props and "tools" in props  # supported (issue 17)
     assert "prompt" in schema["components"]["schemas"]["CompletionRequest"]["properties"]
 

@@ -87,12 +87,12 @@ def test_out_of_range_values_name_the_field(kw: dict[str, Any], field: str) -> N
     "kw",
     [
         {"functions": [{"name": "f"}]},
-        {"logit_bias": {"42": 5}},
+        {"reasoning_effort": "low"},
         {"presence_penalty": 0.5},
         {"frequency_penalty": -1},
         {"audio": {"voice": "x"}},
         {"modalities": ["text", "audio"]},
-        {"store": True},
+        {"web_search_options": {}},
     ],
 )
 def test_unsupported_openai_features_rejected(kw: dict[str, Any]) -> None:
@@ -118,6 +118,42 @@ def test_unsupported_openai_features_rejected(kw: dict[str, Any]) -> None:
 )
 def test_neutral_values_chat_uis_send_are_accepted(kw: dict[str, Any]) -> None:
     chat(**kw)
+
+
+def test_framework_fields_are_accepted_and_ignored() -> None:
+    """What LangChain and the OpenAI Agents SDK send with every request (tests/integration/
+    test_framework_shapes.py sends them whole)."""
+    meta = {f"k{i}": "v" * 512 for i in range(16)} | {"x" * 64: ""}
+    meta.pop("k0")
+    req = chat(metadata=meta, store=True, service_tier="auto", user="u", prompt_cache_key="c")
+    assert req.metadata == meta and req.store is True
+    chat(store=False, service_tier="flex", metadata={}, parallel_tool_calls=False)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"metadata": {f"k{i}": "v" for i in range(17)}},
+        {"metadata": {"x" * 65: "v"}},
+        {"metadata": {"k": "v" * 513}},
+        {"metadata": {"k": 1}},
+        {"metadata": ["k"]},
+        {"metadata": "k=v"},
+        {"store": "true"},
+        {"service_tier": "gold"},
+    ],
+)
+def test_framework_fields_keep_openais_shape(kw: dict[str, Any]) -> None:
+    loc, _ = chat_error(**kw)
+    assert loc[0] == next(iter(kw))
+
+
+def test_logit_bias_is_a_contract_key() -> None:
+    assert chat(logit_bias={"42": -100, "7": 5.5}).logit_bias == {"42": -100, "7": 5.5}
+    for bad in ({"42": 101}, {"a": 1}, {"42": "1"}, [42], {"-1": 0}):
+        loc, msg = chat_error(logit_bias=bad)
+        assert loc == ("logit_bias",), bad
+        assert "token" in msg or "object" in msg
 
 
 def test_unknown_field_rejected() -> None:
