@@ -1,8 +1,11 @@
-"""docs/api.md's contract tables, generated from this package so the docs cannot drift.
+"""Generated sections of the docs, so they cannot drift from the code.
 
-``python -m dlm_protocol.docgen`` rewrites every generated section of docs/api.md;
-``--check`` exits 1 when a section differs (a unit test runs the same comparison).
-A section is the text between ``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED -->``.
+docs/api.md's contract tables come from this package; README.md's served-models table comes
+from ``model_repository/`` (``dlm_triton.model_table``, imported only when rendered: it builds
+each architecture on torch's meta device). ``python -m dlm_protocol.docgen`` rewrites every
+generated section of both files; ``--check`` exits 1 when a section differs (unit tests run
+the same comparison). A section is the text between ``<!-- BEGIN GENERATED: name -->`` and
+``<!-- END GENERATED -->``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from .params import PARAMS
 from .response import USAGE_EXTRAS
 from .tensors import INPUTS, OUTPUTS, TensorSpec
 
-API_DOC = Path(__file__).resolve().parent.parent / "docs" / "api.md"
+ROOT = Path(__file__).resolve().parent.parent
+API_DOC = ROOT / "docs" / "api.md"
+README = ROOT / "README.md"
 _SECTION = re.compile(
     r"(<!-- BEGIN GENERATED: (?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- END GENERATED -->)",
     re.DOTALL,
@@ -64,22 +69,31 @@ def usage_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def models_table() -> str:
+    from dlm_triton.model_table import markdown  # torch, only when this section is rendered
+
+    return markdown()
+
+
 SECTIONS: dict[str, Callable[[], str]] = {
     "params": params_table,
     "inputs": inputs_table,
     "outputs": outputs_table,
     "usage": usage_table,
 }
+README_SECTIONS: dict[str, Callable[[], str]] = {"models": models_table}
+# Every generated file and the sections it must hold.
+DOCS: dict[Path, dict[str, Callable[[], str]]] = {API_DOC: SECTIONS, README: README_SECTIONS}
 
 
-def render(text: str) -> str:
+def render(text: str, sections: dict[str, Callable[[], str]] = SECTIONS) -> str:
     """`text` with every generated section replaced by its current content."""
 
     def replace(m: re.Match[str]) -> str:
         name = m.group("name")
-        if name not in SECTIONS:
+        if name not in sections:
             raise KeyError(f"unknown generated section {name!r}")
-        return m.group(1) + SECTIONS[name]() + m.group(4)
+        return m.group(1) + sections[name]() + m.group(4)
 
     return _SECTION.sub(replace, text)
 
@@ -88,25 +102,33 @@ def sections_in(text: str) -> set[str]:
     return {m.group("name") for m in _SECTION.finditer(text)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--doc", type=Path, default=API_DOC)
-    parser.add_argument("--check", action="store_true", help="exit 1 if the doc is out of date")
-    args = parser.parse_args(argv)
-    text = args.doc.read_text()
-    missing = set(SECTIONS) - sections_in(text)
+def _one(doc: Path, sections: dict[str, Callable[[], str]], check: bool) -> int:
+    text = doc.read_text()
+    missing = set(sections) - sections_in(text)
     if missing:
-        print(f"{args.doc}: no generated section for {sorted(missing)}", file=sys.stderr)
+        print(f"{doc}: no generated section for {sorted(missing)}", file=sys.stderr)
         return 1
-    new = render(text)
-    if args.check:
+    new = render(text, sections)
+    if check:
         if new != text:
-            print(f"out of date: {args.doc} (run python -m dlm_protocol.docgen)", file=sys.stderr)
+            print(f"out of date: {doc} (run python -m dlm_protocol.docgen)", file=sys.stderr)
             return 1
         return 0
-    args.doc.write_text(new)
-    print(args.doc)
+    doc.write_text(new)
+    print(doc)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--doc", type=Path, help="one generated file (default: all of them)")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a doc is out of date")
+    args = parser.parse_args(argv)
+    docs = DOCS
+    if args.doc is not None:
+        match = {d: s for d, s in DOCS.items() if d.resolve() == args.doc.resolve()}
+        docs = match or {args.doc: SECTIONS}
+    return max(_one(doc, sections, args.check) for doc, sections in docs.items())
 
 
 if __name__ == "__main__":
