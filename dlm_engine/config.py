@@ -38,6 +38,11 @@ class EngineConfig:
     admission_window_ms: float = 250.0
     admission_gap_ms: float = 8.0
     admission_burst_gap_ms: float = 40.0
+    # scoring requests (`score`; the proxy's completions echo + max_tokens 0) feed at most this
+    # many tokens a forward (one text at least), and beside generation rows earn per step half
+    # the rows' own tokens, at most this many, so a neighbour's steps cost at most about 1.5x
+    # its forwards (dlm_engine/scoring.py); 0 = max_step_tokens / 64 (1024 by default)
+    score_step_tokens: int = 0
     cuda_graphs: bool = True  # replay captured graphs for the forwards on CUDA devices
     max_cuda_graphs: int = 96  # shapes kept captured (one shared activation pool)
     # a step that feeds whole sequences (exact rows, cached rows at a block start) over more
@@ -77,6 +82,7 @@ class EngineConfig:
             "prefix_cache_tokens",
             "phase_wait_steps",
             "cuda_graph_max_tokens",
+            "score_step_tokens",
         ):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"EngineConfig.{name} must be >= 0")
@@ -85,3 +91,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be in [0, 60000]")
         if not 0.0 < float(self.kv_cache_memory_fraction) <= 1.0:
             raise ValueError("EngineConfig.kv_cache_memory_fraction must be in (0, 1]")
+
+    @property
+    def score_tokens(self) -> int:
+        """Scoring's tokens a forward and its earnings cap a step (`score_step_tokens`)."""
+        return int(self.score_step_tokens) or max(1, int(self.max_step_tokens) // 64)

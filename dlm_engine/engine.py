@@ -30,7 +30,7 @@ from .paged_kv import cpu_pool_tokens, page_size
 from .prompt_limits import check_prompt_bytes, prompt_byte_cap, prompt_bytes
 from .sampling_params import ResolvedParams, SamplingParams, resolve
 from .scheduler import Scheduler
-from .scoring import ScoreJob, run_batch, summary
+from .scoring import ScoreJob, ScoringQueue, run_chunk, summary
 from .sequence import Sequence
 from .text import StableText
 from .tools import ToolCallText, ToolSpec, prompt_messages, template_has_tools
@@ -76,7 +76,8 @@ class Engine:
         self._token_texts = TokenTexts(lm.tokenizer)
         self._tool_texts: dict[str, ToolCallText] = {}  # issue 17: requests with tools
         self._template_tools = template_has_tools(lm.tokenizer)
-        self._scoring: list[ScoreJob] = []  # issue 17: scoring requests, oldest first
+        # scoring requests, below generation in the steps' share (scoring.py)
+        self._scoring = ScoringQueue(config.score_tokens, int(lm.model.vocab_size))
         self._aborted: list[str] = []
         self.total_forwards = 0
         self.last_step_rows = 0
@@ -221,12 +222,12 @@ class Engine:
     ) -> str:
         """Queue a request; it joins the batch at the next step that has room."""
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.scheduler or any(j.request_id == request_id for j in self._scoring):
+        if request_id in self.scheduler or request_id in self._scoring:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         resolved = params if isinstance(params, ResolvedParams) else self.resolve_params(params)
         prompt_ids = self._check_length(self._check_ids(list(prompt_ids)), "prompt")
-        if resolved.score is not None:  # issue 17: score the prompt, generate nothing
-            self._scoring.append(self._score_job(request_id, prompt_ids, resolved))
+        if resolved.score is not None:  # score the prompt, generate nothing
+            self._scoring.add(self._score_job(request_id, prompt_ids, resolved))
             return request_id
         seq = Sequence(
             request_id,
@@ -275,7 +276,7 @@ class Engine:
         """Admit, run one denoising step for every running row, retire finished rows."""
         t0 = time.monotonic()
         outputs = self.drain_aborted()
-        if self._scoring:  # issue 17: one batch of samples for the oldest scoring request
+        if self._scoring:  # a chunk of samples, when scoring's share of the steps allows
             outputs += self._score_step()
         if not self.runner.holds_lookahead_for(self.scheduler.running):
             self.scheduler.admit()  # else arrivals join next step: the forward ahead is taken
@@ -285,8 +286,10 @@ class Engine:
             self.runner.drop_lookahead()
             return outputs
         # the next step's forward may be queued ahead only if nobody waits to join then
+        generation_tokens = self.scheduler.running_tokens()
         windows = self.runner.step(seqs, look_ahead=not self.scheduler.waiting)
         self.total_forwards += 1
+        self._scoring.earn(generation_tokens)
         now = time.monotonic()
         failed = self.runner.failed_rows
         for i, (seq, window) in enumerate(zip(seqs, windows, strict=False)):
@@ -359,7 +362,7 @@ class Engine:
         tok = self.tokenizer
         return [None if t == seq.mask_id else tok.decode([t]) for t in seq.canvas]
 
-    # ---- scoring (issue 17) ---------------------------------------------------------------
+    # ---- scoring ------------------------------------------------------------------------
     def _score_job(
         self, request_id: str, prompt_ids: list[int], params: ResolvedParams
     ) -> ScoreJob:
@@ -371,22 +374,28 @@ class Engine:
             generator.seed()
         else:
             generator.manual_seed(params.seed)
-        return ScoreJob(request_id, prompt_ids, params.score or 1, generator, shift)
+        return ScoreJob(
+            request_id, prompt_ids, params.score or 1, generator, shift, params.priority
+        )
 
     def _score_step(self) -> list[RequestOutput]:
-        """One forward of the oldest scoring request's samples; its output once it has all."""
-        job = self._scoring[0]
+        """One chunk of the next scoring request's samples if scoring's share of the steps
+        allows it (generation rows go first); its output once it has all."""
+        turn = self._scoring.take_turn(bool(self.scheduler.running or self.scheduler.waiting))
+        if turn is None:
+            return []
+        job, rows = turn
         try:
-            run_batch(job, self.runner.model, self.mask_id, self.loaded.device)
+            run_chunk(job, self.runner.model, self.mask_id, self.loaded.device, rows)
         except Exception as exc:  # this request alone fails; generation goes on
-            self._scoring.pop(0)
+            self._scoring.remove(job.request_id)
             return [
                 self._score_output(job, "error", f"internal error: {type(exc).__name__}: {exc}")
             ]
         self.total_forwards += 1
         if not job.finished:
             return []
-        self._scoring.pop(0)
+        self._scoring.remove(job.request_id)
         return [self._score_output(job, "length")]
 
     def _score_output(self, job: ScoreJob, reason: str, error: str | None = None) -> RequestOutput:
@@ -422,9 +431,8 @@ class Engine:
         """Remove aborted requests now; one final `abort` output each."""
         outs = []
         for rid in self._aborted:
-            job = next((j for j in self._scoring if j.request_id == rid), None)
+            job = self._scoring.remove(rid)
             if job is not None:
-                self._scoring.remove(job)
                 outs.append(self._score_output(job, "abort"))
                 continue
             seq = self.scheduler.remove(rid)

@@ -81,6 +81,11 @@ class Scheduler:
         rows run: waiting then would slow their steps."""
         return not self.running and any(_phased(s) for s in self.waiting)
 
+    def running_tokens(self) -> int:
+        """Tokens the running rows feed this step's forward (scoring earns its share of the
+        steps from them: dlm_engine/scoring.py)."""
+        return _budget_use(self.running)[1]
+
     def waiting_fill_a_step(self) -> bool:
         """True when the waiting requests alone use a whole step's rows or tokens: one that
         arrives now could not join the next step, so gathering a burst longer gains nothing."""

@@ -34,6 +34,7 @@ ENV_OVERRIDES = {
     "admission_window_ms": "DLM_ADMISSION_WINDOW_MS",
     "admission_gap_ms": "DLM_ADMISSION_GAP_MS",
     "admission_burst_gap_ms": "DLM_ADMISSION_BURST_GAP_MS",
+    "score_step_tokens": "DLM_SCORE_STEP_TOKENS",
 }
 # unset: the engine's defaults (EngineConfig)
 INT_KEYS = (
@@ -45,6 +46,7 @@ INT_KEYS = (
     "prefix_cache_tokens",
     "phase_wait_steps",
     "cuda_graph_max_tokens",
+    "score_step_tokens",
 )
 FLOAT_KEYS = (
     "kv_cache_memory_fraction",
@@ -61,6 +63,7 @@ OPTIONAL_KEYS = (
     "admission_window_ms",
     "admission_gap_ms",
     "admission_burst_gap_ms",
+    "score_step_tokens",
 )
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "dlm_engine" / "assets"
 
@@ -84,6 +87,7 @@ class InstanceSettings:
     admission_window_ms: float | None = None
     admission_gap_ms: float | None = None
     admission_burst_gap_ms: float | None = None
+    score_step_tokens: int | None = None
 
 
 def config_parameters(model_config: dict) -> dict[str, str]:
