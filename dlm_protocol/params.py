@@ -60,6 +60,28 @@ ALGORITHMS = (
     # is low_confidence_dynamic)
     *BLOCK_ALGORITHMS,
 )
+# What each algorithm commits in a step, and where it was published: one line each, for the
+# CLI's help and the docs (k = the step schedule's count of positions to commit).
+ALGORITHM_SUMMARIES = {
+    "low_confidence": "LLaDA: the k masked positions whose sampled token is most probable",
+    "random": "LLaDA: k random masked positions",
+    "origin": "Dream: each masked position with probability 1 / (steps left)",
+    "maskgit_plus": "Dream: the k positions with the highest top-1 probability",
+    "topk_margin": "Dream: the k positions with the widest margin between the top two tokens",
+    "entropy": "Dream: the k positions with the lowest entropy",
+    "threshold": "Fast-dLLM: every position with confidence >= threshold (at least one)",
+    "factor": "Fast-dLLM: the n most confident while c_i >= 1 - factor / (i + 2)",
+    "local_leap": "LocalLeap (LLaDA): confident anchors and their confident neighbours",
+    "entropy_threshold": "d3LLM: every position with entropy below threshold (at least one)",
+    "low_confidence_dynamic": "SDAR / LLaDA2: every confidence above threshold when at least k "
+    "pass, else the k most confident",
+    "low_confidence_static": "SDAR: the k most confident positions",
+    "sequential": "SDAR: the k masked positions nearest the block's start",
+    "entropy_bounded": "SDAR: the lowest entropies while their sum stays below threshold",
+    "joint_threshold": "LLaDA2.1: masks above threshold, and rewrites of decoded tokens "
+    "above edit_threshold",
+    "multi_bd": "Diffulex: several blocks refined in one forward, each by threshold",
+}
 STREAM_MODES = ("delta", "denoise")
 CACHE_MODES = ("none", "prefix", "dual")
 MAX_STOP_STRINGS = 16

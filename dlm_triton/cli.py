@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dlm_protocol import PARAMS, Param
+from dlm_protocol import PARAMS, Param, limits
+from dlm_protocol.params import ALGORITHM_SUMMARIES
 from dlm_triton.launcher import (
     DEFAULT_MODEL,
     EMBEDDED_COMPANIONS,
@@ -19,8 +20,23 @@ from dlm_triton.launcher import (
 )
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each flag's help ends with its default, unless the flag has none (None, off, empty) or
+    its help already names it; the epilog keeps its line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False, [], argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def _serve_parser(sub: Any) -> None:
-    p = sub.add_parser("serve", help="start tritonserver (and the OpenAI proxy) for a model")
+    p = sub.add_parser(
+        "serve",
+        help="start tritonserver (and the OpenAI proxy) for a model",
+        formatter_class=_HelpFormatter,
+    )
     p.add_argument(
         "--model",
         default=None,
@@ -42,19 +58,42 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument(
         "--revision", help="Hub branch, tag or commit of a Hub id (pin a commit in production)"
     )
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument(
-        "--dtype", help="auto (the checkpoint's torch_dtype), bfloat16, float16, float32"
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where the model runs (auto: cuda when a GPU is visible)",
     )
-    p.add_argument("--quantization", help="none, int8, nf4 (bitsandbytes)")
-    p.add_argument("--max-rows", type=int, help="rows per denoising step")
-    p.add_argument("--max-canvas", type=int, help="max_tokens ceiling")
-    p.add_argument("--max-prompt", type=int, help="prompt tokens ceiling")
+    p.add_argument(
+        "--dtype",
+        help="auto (the checkpoint's torch_dtype; float32 on CPU), bfloat16, float16, float32 "
+        "(default: the model's config.pbtxt, else auto)",
+    )
+    p.add_argument(
+        "--quantization",
+        help="none, int8, nf4 (bitsandbytes) (default: the model's config.pbtxt, else none)",
+    )
+    from_config = "(default: the model's config.pbtxt, else {})"
+    p.add_argument(
+        "--max-rows",
+        type=int,
+        help=f"rows per denoising step {from_config.format(limits.MAX_ROWS)}",
+    )
+    p.add_argument(
+        "--max-canvas",
+        type=int,
+        help=f"max_tokens ceiling {from_config.format(limits.MAX_CANVAS)}",
+    )
+    p.add_argument(
+        "--max-prompt",
+        type=int,
+        help=f"prompt tokens ceiling {from_config.format(limits.MAX_PROMPT)}",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in Docker)")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--proxy-port", type=int, default=9000)
+    p.add_argument("--http-port", type=int, default=8000, help="Triton HTTP port")
+    p.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port")
+    p.add_argument("--metrics-port", type=int, default=8002, help="Triton metrics port")
+    p.add_argument("--proxy-port", type=int, default=9000, help="OpenAI proxy port")
     p.add_argument("--no-proxy", action="store_true", help="serve Triton only")
     p.add_argument("--gpu-metrics", action="store_true", help="force --allow-gpu-metrics")
     p.add_argument("--exit-timeout", type=int, default=10, help="Triton's exit timeout (s)")
@@ -73,8 +112,19 @@ def _serve_parser(sub: Any) -> None:
     )
 
 
+def _algorithms_epilog() -> str:
+    width = max(len(name) for name in ALGORITHM_SUMMARIES)
+    lines = [f"  {name:<{width}}  {text}" for name, text in ALGORITHM_SUMMARIES.items()]
+    return "algorithms (--algorithm):\n" + "\n".join(lines)
+
+
 def _generate_parser(sub: Any) -> None:
-    p = sub.add_parser("generate", help="send one prompt to a running server")
+    p = sub.add_parser(
+        "generate",
+        help="send one prompt to a running server",
+        formatter_class=_HelpFormatter,
+        epilog=_algorithms_epilog(),
+    )
     p.add_argument("prompt")
     p.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC address")
     p.add_argument("--http-url", help="Triton HTTP base (with --http)")
@@ -101,9 +151,9 @@ def _param_flag(parser: argparse.ArgumentParser, param: Param) -> None:
     flag = "--" + param.name.replace("_", "-")
     help_text = f"{param.doc.split('. ')[0].rstrip('.')}; {param.values_text()} "
     help_text = f"{help_text}(default: {param.default_doc})".replace("%", "%%")
-    if param.kind == "bool":
-        parser.add_argument(flag, dest=param.name, action="store_true", default=None,
-                            help=help_text)  # fmt: skip
+    if param.kind == "bool":  # --x / --no-x; absent = not sent (the server's default)
+        parser.add_argument(flag, dest=param.name, action=argparse.BooleanOptionalAction,
+                            default=None, help=help_text)  # fmt: skip
     elif param.kind == "stop":
         parser.add_argument(flag, dest=param.name, action="append", metavar="TEXT",
                             help=help_text + "; repeatable")  # fmt: skip

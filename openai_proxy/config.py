@@ -218,12 +218,23 @@ def build_arg_parser() -> argparse.ArgumentParser:
         metavar="ORIGIN",
         help="allowed CORS origin ('*' for any); repeat for several",
     )
-    p.add_argument("--request-timeout", type=float, dest="request_timeout_s")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        dest="request_timeout_s",
+        help="seconds one generation may take, 504 after (default 600)",
+    )
     p.add_argument(
         "--triton-admin-key-file",
         help="file with the key of Triton's restricted admin APIs (DLM_PROXY_TRITON_ADMIN_KEY_FILE)",
     )
-    p.add_argument("--stream-idle-timeout", type=float, dest="stream_idle_timeout_s")
+    p.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        dest="stream_idle_timeout_s",
+        help="seconds a Triton stream may stay silent before the request ends with 504 "
+        "(DLM_PROXY_STREAM_IDLE_TIMEOUT_S, default 300)",
+    )
     p.add_argument("--health-timeout", type=float, dest="health_timeout_s")
     p.add_argument("--health-interval", type=float, dest="health_interval_s")
     p.add_argument("--first-event-wait", type=float, dest="first_event_wait_s")
