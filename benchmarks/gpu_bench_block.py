@@ -70,9 +70,13 @@ def weight_bytes(model: torch.nn.Module, distinct_experts: float | None) -> floa
         if distinct_experts is not None and p.dim() == 3:  # stacked experts [E, in, out]
             nbytes *= distinct_experts / p.shape[0]
         total += nbytes
-    for _name, b in model.named_buffers():
-        if b.dim() == 3 and distinct_experts is not None and b.is_floating_point():
-            total += b.numel() * b.element_size() * distinct_experts / b.shape[0]
+    for _name, b in model.named_buffers():  # FP8 weights and scales are buffers
+        if b.dim() < 2 or not b.is_floating_point():
+            continue
+        nbytes = b.numel() * b.element_size()
+        if b.dim() == 3 and distinct_experts is not None:
+            nbytes *= distinct_experts / b.shape[0]
+        total += nbytes
     return total
 
 
@@ -184,6 +188,7 @@ def main() -> None:
     ap.add_argument("--ref-canvas", type=int, default=64, help="reference loop's gen_length")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default="none", help="comma list of none,fp8,int8,nf4")
     ap.add_argument("--out", default="")
     ap.add_argument("--shared-prefix", type=int, default=0, help="run the prefix-cache section")
     ap.add_argument("--requests", type=int, default=32, help="prefix-cache section: requests")
@@ -204,8 +209,9 @@ def main() -> None:
           f"{args.tokens_per_forward} token(s) per forward per row, low_confidence_static")  # fmt: skip
     batches = [int(b) for b in args.batches.split(",")]
     rows: list[dict] = []
-    for preset in args.models.split(","):
-        lm = random_checkpoint(preset, args.dtype, args.device)
+    runs = [(m, q) for m in args.models.split(",") for q in args.quantization.split(",")]
+    for preset, quant in runs:
+        lm = random_checkpoint(preset, args.dtype, args.device, None if quant == "none" else quant)
         family = lm.family.name
         block = int(lm.config.get("block_size") or lm.family.default_block_length)
         steps = block // args.tokens_per_forward
@@ -229,8 +235,8 @@ def main() -> None:
             family,
             dict(params, max_tokens=args.ref_canvas),
         )
-        print(f"\n== {preset} ({family}, block {block}, steps {steps}) weights "
-              f"{sum(p.numel() * p.element_size() for p in lm.model.parameters()) / 1e9:.2f} GB")  # fmt: skip
+        print(f"\n== {preset} ({family}, block {block}, steps {steps}) quantization={quant} "
+              f"weights {weight_bytes(lm.model, None) / 1e9:.2f} GB")  # fmt: skip
         print(f"reference (no cache, batch 1, gen {args.ref_canvas}): {ref['tok_s']:.1f} tok/s, "
               f"{ref['seconds'] / ref['forwards'] * 1e3:.2f} ms/forward")  # fmt: skip
         print(" batch    tok/s  ms/step  floor ms  x floor  x ref  steps")
@@ -247,7 +253,7 @@ def main() -> None:
                 )
             floor_ms = weight_bytes(lm.model, distinct) / bw * 1e3
             row = {
-                "model": preset, "family": family, "batch": b, "block": block, "steps": steps,
+                "model": preset, "quantization": quant, "family": family, "batch": b, "block": block, "steps": steps,
                 **res, "floor_ms": floor_ms, "x_floor": res["ms_per_step"] / floor_ms,
                 "ref_tok_s": ref["tok_s"], "x_ref": res["tok_s"] / ref["tok_s"],
                 "distinct_experts": distinct,

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from .decoding.checkpoint_defaults import decoding_defaults
+from .fp8_checkpoint import fp8_format, install_fp8_layers
 from .hub import resolve_checkpoint, weight_files
 from .models import LLADA, Family, build_model, detect_family
 from .quantization import quantize_linears
@@ -86,8 +87,19 @@ def _read_state(path: Path, device: torch.device, dtype: torch.dtype) -> dict[st
         with safe_open(str(f), framework="pt", device=target) as sf:
             for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
                 t = sf.get_tensor(name)
-                state[name] = t.to(dtype) if t.is_floating_point() else t
+                state[name] = t.to(dtype) if _takes_model_dtype(name, t) else t
     return state
+
+
+def _takes_model_dtype(name: str, t: torch.Tensor) -> bool:
+    """Floating tensors are cast to the model dtype, except FP8 weights and their float32
+    scales, which a published FP8 checkpoint keeps as stored (`fp8_checkpoint.py`)."""
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return False
+    return t.is_floating_point() and not name.endswith(_FP8_SCALE_SUFFIXES)
+
+
+_FP8_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
 
 
 # Mask ids the published code hard-codes, for a checkpoint whose config and tokenizer name
@@ -203,6 +215,11 @@ def load_checkpoint(
     with torch.device("meta"):
         model = build_model(family, config)
     state = _read_state(path, dev, torch_dtype)
+    fp8 = fp8_format(config)
+    if fp8 is not None:
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"an FP8 checkpoint cannot be loaded with quantization={quantization}")
+        install_fp8_layers(model, state, fp8)
     expected = set(model.state_dict())
     unexpected = sorted(set(state) - expected)
     missing = sorted(expected - set(state))

@@ -1,7 +1,10 @@
-"""Weight-only quantization of the transformer's linear layers with bitsandbytes.
+"""Quantization of the transformer's linear layers at load.
 
-INT8 (LLM.int8) and NF4 replace the `nn.Linear` layers inside the blocks (fused or not); the
-embeddings and the output head stay in the model dtype, as is usual for these schemes.
+`fp8`: e4m3 weights with per-channel scales and per-token activation scales (`fp8.py`); native
+FP8 products on Ada/Hopper GPUs, dequantized elsewhere, the MoE experts included.
+`int8` (LLM.int8) and `nf4`: bitsandbytes weight-only layers, CUDA only.
+Each replaces the `nn.Linear` layers inside the blocks (fused or not); the embeddings and the
+output head stay in the model dtype, as is usual for these schemes.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-SUPPORTED = ("int8", "nf4")
+SUPPORTED = ("fp8", "int8", "nf4")
 
 
 def _output_head(model: nn.Module) -> nn.Module | None:
@@ -20,9 +23,13 @@ def _output_head(model: nn.Module) -> nn.Module | None:
 
 
 def quantize_linears(model: nn.Module, scheme: str, device: torch.device) -> int:
-    """Swap the blocks' linear layers for bitsandbytes layers on `device`; returns how many."""
+    """Swap the blocks' linear layers for quantized layers on `device`; returns how many."""
     if scheme not in SUPPORTED:
         raise ValueError(f"quantization must be one of {SUPPORTED}, got {scheme!r}")
+    if scheme == "fp8":
+        from .fp8 import quantize_fp8
+
+        return quantize_fp8(model, _output_head(model))
     if device.type != "cuda":
         raise ValueError("bitsandbytes quantization needs a CUDA device")
     import bitsandbytes as bnb  # heavy and GPU-only: imported only when asked for

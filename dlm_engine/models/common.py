@@ -211,6 +211,8 @@ def fuse_linears(layers: list[nn.Linear]) -> nn.Linear:
     Fewer, wider matrix products keep the GPU busier at small token counts; the outputs are
     the same numbers, split apart by the caller."""
     first = layers[0]
+    if hasattr(first, "concat"):  # FP8 layers of a published FP8 checkpoint (fp8.Fp8Linear)
+        return type(first).concat(layers)
     out = sum(layer.out_features for layer in layers)
     bias = first.bias is not None
     fused = nn.Linear(

@@ -187,13 +187,34 @@ class LLaDA2SparseMoe(nn.Module):
         return gate_up.contiguous(), down.contiguous()
 
     def fuse(self) -> None:
-        with torch.no_grad():
-            gate_up, down = self._stack()
-        self.w_gate_up = nn.Parameter(gate_up, requires_grad=False)
-        self.w_down = nn.Parameter(down, requires_grad=False)
+        if hasattr(self.experts[0].gate_proj, "weight_scale"):  # a published FP8 checkpoint
+            self._fuse_fp8()
+        else:
+            with torch.no_grad():
+                gate_up, down = self._stack()
+            self.w_gate_up = nn.Parameter(gate_up, requires_grad=False)
+            self.w_down = nn.Parameter(down, requires_grad=False)
         del self.experts
         if self.a.num_shared_experts > 0:
             self.shared_experts.fuse()
+
+    def _fuse_fp8(self) -> None:
+        """Stack the experts' e4m3 weights and per-channel scales as stored (no
+        re-quantization) for the FP8 grouped GEMMs."""
+        from ..fp8 import Fp8Experts
+
+        def stacked(names: tuple[str, ...]) -> Fp8Experts:
+            layers = [[getattr(e, n) for n in names] for e in self.experts]
+            if any(layer.block is not None for row in layers for layer in row):
+                raise ValueError("block-scaled FP8 experts are not supported; per-channel are")
+            weight = torch.stack([torch.cat([layer.weight for layer in row]) for row in layers])
+            scale = torch.stack(
+                [torch.cat([layer.weight_scale for layer in row]) for row in layers]
+            )
+            return Fp8Experts(weight, scale)
+
+        self.w_gate_up = stacked(("gate_proj", "up_proj"))
+        self.w_down = stacked(("down_proj",))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.a

@@ -17,6 +17,7 @@ CUDA graph. Where `_grouped_mm` is unavailable for a device and dtype, a per-row
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,10 +69,15 @@ def _gathered_bmm(x: torch.Tensor, w: torch.Tensor, expert_of_row: torch.Tensor)
 
 
 def grouped_linear(
-    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, expert_of_row: torch.Tensor
+    x: torch.Tensor, w: torch.Tensor | Any, offs: torch.Tensor, expert_of_row: torch.Tensor
 ) -> torch.Tensor:
     """Rows of x [M, in] sorted by expert, times w [E, in, out]; `offs` [E] int32 holds the
     cumulative row counts (group e is rows offs[e-1]:offs[e])."""
+    if not isinstance(w, torch.Tensor):  # FP8 experts (dlm_engine/fp8.py `Fp8Experts`)
+        y = w.grouped(x, offs)
+        if y is not None:
+            return y
+        w = w.dense(x.dtype)
     key = (x.device.type, x.dtype)
     if key not in _GROUPED_MM_FAILED:
         try:
