@@ -71,3 +71,10 @@ def quantize_linears(model: nn.Module, scheme: str, device: torch.device) -> int
             del child
     torch.cuda.empty_cache()
     return swapped
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights take on their device (quantized layers keep theirs in
+    buffers: e4m3 values and scales), for the ready line and `dlm_model_info`."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)

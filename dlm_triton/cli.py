@@ -71,7 +71,8 @@ def _serve_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--quantization",
-        help="none, int8, nf4 (bitsandbytes) (default: the model's config.pbtxt, else none)",
+        help="none, fp8 (e4m3: native on Ada/Hopper GPUs, dequantized elsewhere), int8, nf4 "
+        "(bitsandbytes, CUDA) (default: the model's config.pbtxt, else none)",
     )
     from_config = "(default: the model's config.pbtxt, else {})"
     p.add_argument(

@@ -132,6 +132,8 @@ class TritonPythonModel:
         self._watcher = threading.Thread(target=self._watch_loop, name="dlm-watch", daemon=True)
         self._sender.start()
         self._watcher.start()
+        from dlm_engine.quantization import weight_bytes
+
         loaded = self.engine.loaded  # the loader's own choice, not a second derivation
         dtype, why = str(loaded.dtype).removeprefix("torch."), loaded.dtype_reason
         self.metrics.info(
@@ -139,6 +141,8 @@ class TritonPythonModel:
             dtype_reason=why,
             device=s.device,
             torch_threads=str(self.torch_threads),
+            quantization=s.quantization or "none",
+            weight_bytes=str(weight_bytes(loaded.model)),
             **self._kv_pool_labels(),
         )
         pb_utils.Logger.log_info(

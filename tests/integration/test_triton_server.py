@@ -368,3 +368,8 @@ def test_ready_line_says_the_dtype_the_model_chose_and_why(
     assert described["dtype"] == want_dtype
     assert described["dtype_reason"] == want_reason
     assert described["device"] == "cpu" and int(described["torch_threads"]) >= 1
+    # the weights' bytes on the device: float32 on CPU, as the checkpoint stores them
+    index = json.loads((tiny_checkpoint / "model.safetensors.index.json").read_text())
+    stored = index["metadata"]["total_size"]
+    assert described["quantization"] == "none"
+    assert 0.9 * stored <= int(described["weight_bytes"]) <= 1.1 * stored
