@@ -62,7 +62,8 @@ class BlockPages:
         hashes, hit = [], []
         if self.cache is not None and pages:
             block = seq.layout.block
-            hashes = page_hashes(seq.prompt_ids, self.pool.page_tokens, block, pages)
+            pt, salt = self.pool.page_tokens, seq.params.cache_salt
+            hashes = page_hashes(seq.prompt_ids, pt, block, pages, salt)
             hit = self.cache.match(hashes, unit)
         own = self.worst_case(seq) - len(hit)
         idle_hits = sum(1 for p in hit if self.pool.refs[p] == 0)  # they stop being available
@@ -72,7 +73,7 @@ class BlockPages:
             self.pool.share(page)
         self.pool.reserve(own)
         self.rows[seq.request_id] = RowPages(list(hit), own, len(hit), hashes)
-        seq.kv_upto = len(hit) * self.pool.page_tokens
+        seq.kv_upto = seq.cached_tokens = len(hit) * self.pool.page_tokens
         if self.cache is not None:
             self.cache.record(seq.layout.first_block * seq.layout.block, seq.kv_upto)
         return True

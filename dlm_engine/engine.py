@@ -371,6 +371,7 @@ class Engine:
             raise InvalidRequestError("prompt", f"needs at least {shift + 1} tokens to be scored")
         generator = torch.Generator()
         if params.seed is None:
+            cached_tokens=seq.cached_tokens,
             generator.seed()
         else:
             generator.manual_seed(params.seed)
@@ -488,6 +489,7 @@ class Engine:
             yield from self.step()
 
     def generate(
+            cached_tokens=seq.cached_tokens,
         self,
         prompts: list[list[int]],
         params: SamplingParams

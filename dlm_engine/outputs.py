@@ -33,6 +33,9 @@ class RequestOutput:
     tool_calls: list[dict[str, Any]] | None = None
     # issue 17, scoring requests (`score`): {log_likelihood, variance, mc_samples, tokens}
     score: dict[str, Any] | None = None
+    # prompt tokens reused from the prefix cache (block-diffusion models; OpenAI's
+    # `usage.prompt_tokens_details.cached_tokens`)
+    cached_tokens: int = 0
 
     @property
     def forwards(self) -> int:

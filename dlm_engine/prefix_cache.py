@@ -1,4 +1,4 @@
-"""Reuse of block-aligned prompt prefixes across block-diffusion requests (issue 16).
+"""Reuse of block-aligned prompt prefixes across block-diffusion requests.
 
 With block-causal attention the keys and values of a whole prompt block depend only on the
 tokens up to that block's end, so two requests whose prompts share their first j blocks (the
@@ -12,6 +12,12 @@ only the prefill's compute.
 Keys: a SHA-256 chain over pages (page i's hash covers pages 0..i, the page size and the
 block length), as vLLM keys its blocks, so a prompt sharing only some leading pages of a
 cached one reuses exactly those; SHA-256 so that no two prompts can be made to collide.
+
+Isolation: a request's `cache_salt` is mixed into the chain's seed, so page 0's hash (and with
+it every later one) differs between salts. Requests share pages only under the same salt (or
+none): a caller without another's salt can neither reuse nor detect its cached prompt, neither
+by `cached_tokens` nor by the hit counter nor by timing. The proxy salts every request with
+its API key's identity (openai_proxy/tenancy.py), so tenants never share pages.
 
 Rules that keep it exact:
 * only pages made entirely of whole prompt blocks are indexed or matched, and a match is cut
@@ -35,9 +41,22 @@ import numpy as np
 from .paged_kv import PagePool
 
 
-def page_hashes(ids: list[int], page_tokens: int, block: int, pages: int) -> list[bytes]:
-    """Chain hashes of the first `pages` whole pages of `ids` (index i covers 0..i)."""
-    h = hashlib.sha256(f"dlm-kv page={page_tokens} block={block}".encode()).digest()
+def chain_seed(page_tokens: int, block: int, salt: str | None = None) -> bytes:
+    """The hash page 0 chains from: the layout, and the salt when there is one (a salted
+    seed is a second hash over the unsalted one, so no salt can reproduce another's seed or
+    the unsalted one)."""
+    seed = hashlib.sha256(f"dlm-kv page={page_tokens} block={block}".encode()).digest()
+    if salt is None:
+        return seed
+    return hashlib.sha256(seed + b"\x00cache_salt\x00" + salt.encode()).digest()
+
+
+def page_hashes(
+    ids: list[int], page_tokens: int, block: int, pages: int, salt: str | None = None
+) -> list[bytes]:
+    """Chain hashes of the first `pages` whole pages of `ids` (index i covers 0..i), seeded
+    with `salt` (only the same salt gives the same chain)."""
+    h = chain_seed(page_tokens, block, salt)
     arr = np.asarray(ids[: pages * page_tokens], dtype=np.int64)
     out = []
     for i in range(pages):

@@ -115,6 +115,9 @@ class ResolvedParams:
     tools: ToolSpec | None = None  # issue 17: tool calling (tools.py); None also for `none`
     score: int | None = None  # issue 17: score the prompt with this many MC samples (scoring.py)
     priority: int = 0  # issue 14: admission order, lower first (scheduler.py)
+    # mixed into the first prompt page's hash: only requests with the same salt share
+    # cached prompt pages (prefix_cache.py); None = the unsalted chain
+    cache_salt: str | None = None
     # OpenAI's logit_bias: (token id, bias) pairs added to the window logits each step
     # (decoding/logit_bias.py); None = no bias
     logit_bias: tuple[tuple[int, float], ...] | None = None
@@ -272,6 +275,7 @@ def _shared_fields(p: SamplingParams) -> dict[str, Any]:
         "tools": tools,
         "score": _score(p, constraint),
         "priority": p.priority,
+        "cache_salt": p.cache_salt,
         "logit_bias": tuple(sorted(token_biases(p.logit_bias).items())) or None,
     }
 

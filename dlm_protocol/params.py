@@ -155,6 +155,9 @@ class Param:
             if not isinstance(value, str):
                 self._fail(f"must be a string, got {_show(value)}")
             value = dict(self.value_aliases).get(value, value)
+            reason = self.shape(value) if self.shape is not None else None
+            if reason:
+                self._fail(reason)
         elif kind == STOP:
             value = self._check_stop(value)
         elif kind == JSON and self.shape is not None:
@@ -210,6 +213,8 @@ class Param:
             text = "`true`, `false`"
         elif self.kind == STOP:
             text = f"a string or up to {MAX_STOP_STRINGS} non-empty strings"
+        elif self.kind == STR:
+            text = "a string"
         else:
             text = f"{self.kind} {self.range_text()}"
         if self.value_aliases:
@@ -516,6 +521,18 @@ PARAMS: tuple[Param, ...] = (
     ),
 )
 
+    Param(
+        "cache_salt",
+        STR,
+        "Mixed into the hash of the prompt's first KV page (vLLM's meaning): only requests "
+        "with the same salt share cached prompt pages, so nobody without the salt can tell "
+        "from cache hits (`cached_tokens`, timing) what another prompt held.",
+        default_doc="none (proxy with API keys: a salt derived from the caller's key)",
+        relations="not empty; applies to block-diffusion models (the others keep no prompt "
+        "cache between requests); the proxy with API keys combines it with the key's own salt",
+        examples=("tenant-a", ""),
+        shape=structure_shapes.non_empty_string,
+    ),
 # ---- issue 15: accelerated decoding — Fast-dLLM's factor rule (NVlabs/Fast-dLLM
 # llada/generate.py), LocalLeap (dlmserve 0.1.1, arXiv 2510.07081), d3LLM multi-block decoding
 # (hao-ai-lab/d3LLM, SGLang PR #20615). Defaults are the published ones (applied by the engine,

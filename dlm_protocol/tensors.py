@@ -115,6 +115,15 @@ SCORE = TensorSpec(
     'values are in `logprobs`); otherwise `""`',
 )
 
+# prefix caching (dlm_engine/prefix_cache.py): OpenAI's `usage.prompt_tokens_details.cached_tokens`
+CACHED_TOKENS = TensorSpec(
+    "cached_tokens",
+    "INT32",
+    (1,),
+    "prompt tokens whose keys and values came from the prefix cache (shared only between "
+    "requests with the same `cache_salt`); 0 for models without one",
+)
+
 OUTPUTS: tuple[TensorSpec, ...] = (
     TEXT_OUTPUT,
     FINISH_REASON,
@@ -127,6 +136,7 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     LOGPROBS,
     TOOL_CALLS,
     SCORE,
+    CACHED_TOKENS,
 )
 OUTPUT_NAMES: tuple[str, ...] = tuple(t.name for t in OUTPUTS)
 BY_NAME: dict[str, TensorSpec] = {t.name: t for t in (*INPUTS, *OUTPUTS)}

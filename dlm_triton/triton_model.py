@@ -362,6 +362,7 @@ class TritonPythonModel:
             if getattr(out, "tool_calls", None)
             else "",
             tensors.SCORE: json.dumps(out.score) if getattr(out, "score", None) else "",
+            tensors.CACHED_TOKENS: getattr(out, "cached_tokens", 0),
         }
         return pb_utils.InferenceResponse(
             output_tensors=[_output_tensor(spec, values[spec]) for spec in tensors.OUTPUTS]

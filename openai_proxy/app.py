@@ -16,13 +16,12 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from . import playground, security
+from . import openapi, playground, security
 from .config import ProxyConfig
 from .dependencies import ProxyState
 from .error_handlers import add_error_handlers, error_response
 from .metrics import ProxyMetrics
 from .middleware import ApiKeyGate, BodySizeLimit, RequestCounter
-from .openapi import openapi_of
 from .routers import ROUTERS
 
 __all__ = ["ProxyMetrics", "ProxyState", "create_app", "error_response"]
@@ -60,6 +59,11 @@ def create_app(config: ProxyConfig | None = None) -> FastAPI:
         "alg_temp, cfg_scale, stream_mode, max_nfe, ...) extend the OpenAI request bodies; "
         "usage reports forwards and tokens_per_forward.",
         lifespan=lifespan,
+        # No browser UI (FastAPI's would load Swagger UI / ReDoc from a CDN onto this origin);
+        # the schema is served by openapi.router, behind the API keys when there are some.
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
     app.state.proxy = state
     # Older names, kept for callers that read them.
@@ -80,14 +84,15 @@ def create_app(config: ProxyConfig | None = None) -> FastAPI:
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["*"],
         )
-    # /metrics on its own port, or behind the keys on the API port (security.py)
-    app.add_middleware(security.MetricsGate, cfg=cfg, keys=state.api_keys)
+    # /metrics on its own port, or behind the admin keys on the API port (security.py)
+    app.add_middleware(security.MetricsGate, cfg=cfg, keys=state.api_keys, admins=state.admin_keys)
     app.add_middleware(RequestCounter, metrics=state.metrics)  # outermost: counts 413s too
     for router in ROUTERS:
         app.include_router(router)
+    app.include_router(openapi.router)
     if cfg.playground_enabled(has_keys=bool(state.api_keys)):
         app.include_router(playground.router)
-    app.openapi = openapi_of(app)  # type: ignore[method-assign]  # 400, not FastAPI's 422
+    app.openapi = openapi.openapi_of(app)  # type: ignore[method-assign]  # 400, not FastAPI's 422
     # for openai_proxy.drain: 503 `draining` to new calls while the listener stays open
     app.state.begin_drain = lambda: setattr(state, "draining", True)
     app.state.in_flight = lambda: state.metrics.in_flight

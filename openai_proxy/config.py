@@ -57,7 +57,15 @@ class ProxyConfig:
     api_keys_file: str = ""
     # Serve without keys on a non-loopback address (another layer authenticates).
     allow_no_auth: bool = False
-    # A separate port for /metrics (0 = /metrics on the API port, behind the keys if any).
+    # Keys of operators: /metrics on the API port and /health's details need one of these
+    # once any key is configured (API keys are tenants: they see neither). Not API keys.
+    admin_keys: list[str] = field(default_factory=list)
+    admin_keys_file: str = ""  # a file of admin keys, one per line, added to admin_keys
+    # With API keys, the prefix cache is kept per key (openai_proxy/tenancy.py); true shares
+    # it between keys (one tenant behind several keys; a hit then shows another key's prompt).
+    share_prefix_cache: bool = False
+    # A separate port for /metrics (0 = /metrics on the API port, behind the admin keys if any
+    # key is configured).
     metrics_port: int = 0
     metrics_host: str = ""  # address of the metrics port; empty = host
     # Upper bound on max_tokens (canvas length) a client may ask for (each model's own
@@ -205,7 +213,30 @@ def build_arg_parser() -> argparse.ArgumentParser:
         default=None,
         help="serve without keys on a non-loopback address (DLM_PROXY_ALLOW_NO_AUTH)",
     )
-    p.add_argument("--metrics-port", type=int, help="serve /metrics on this port only")
+    p.add_argument(
+        "--admin-key",
+        action="append",
+        dest="admin_keys",
+        metavar="KEY",
+        help="operator key for /metrics and /health's details (not an API key); repeat for "
+        "several (DLM_PROXY_ADMIN_KEYS)",
+    )
+    p.add_argument(
+        "--admin-keys-file", help="file of operator keys, one per line (DLM_PROXY_ADMIN_KEYS_FILE)"
+    )
+    p.add_argument(
+        "--share-prefix-cache",
+        action="store_true",
+        default=None,
+        help="with API keys, share cached prompt pages between keys (default: one cache per key; "
+        "DLM_PROXY_SHARE_PREFIX_CACHE)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve /metrics on this port only, without keys (keep it private: not published, "
+        "or --metrics-host 127.0.0.1)",
+    )
     p.add_argument("--metrics-host", help="address of the metrics port (default: --host)")
     p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens accepted")
     p.add_argument("--max-n", type=int, help="largest n accepted")
@@ -259,7 +290,7 @@ def config_from_args(
     for key, value in vars(args).items():
         if value is None:
             continue
-        if key in ("triton_urls", "api_keys", "cors_origins", "models"):
+        if key in ("triton_urls", "api_keys", "admin_keys", "cors_origins", "models"):
             value = [item for raw in value for item in _split_list(raw)]
         setattr(cfg, key, value)
     cfg.validate()

@@ -56,6 +56,7 @@ class TritonEvent:
     logprobs: list[dict[str, Any]] | None = None  # entries for the tokens of `text` (issue 17)
     tool_calls: list[dict[str, Any]] | None = None  # on the final event, with tools (issue 17)
     score: dict[str, Any] | None = None  # on the final event of a scoring request (issue 17)
+    cached_tokens: int | None = None  # prompt tokens from the prefix cache; None = not reported
 
 
 @dataclass
@@ -73,6 +74,7 @@ class ChoiceResult:
     logprobs: list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     score: dict[str, Any] | None = None
+    cached_tokens: int | None = None
 
     def absorb(self, ev: TritonEvent) -> None:
         """Take one Triton response of this choice into the running totals."""
@@ -86,6 +88,8 @@ class ChoiceResult:
         self.prompt_tokens = ev.prompt_tokens or self.prompt_tokens
         self.completion_tokens = ev.completion_tokens or self.completion_tokens
         self.forwards = ev.forwards or self.forwards
+        if ev.cached_tokens is not None:
+            self.cached_tokens = ev.cached_tokens
 
 
 def new_id(prefix: str) -> str:
@@ -238,7 +242,23 @@ def usage_of(results: list[ChoiceResult]) -> dict[str, Any]:
     if forwards:
         usage["forwards"] = forwards
         usage["tokens_per_forward"] = tokens_per_forward(c, forwards)
+    cached = cached_tokens_of(results)
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
     return usage
+
+
+def cached_tokens_of(results: list[ChoiceResult]) -> int | None:
+    """OpenAI's `prompt_tokens_details.cached_tokens`: per prompt, the tokens every choice of
+    it reused from the prefix cache (prompts count once, as `prompt_tokens`); None when Triton
+    did not report them."""
+    if all(r.cached_tokens is None for r in results):
+        return None
+    per_prompt: dict[int, int] = {}
+    for r in results:
+        own = r.cached_tokens or 0
+        per_prompt[r.prompt_index] = min(per_prompt.get(r.prompt_index, own), own)
+    return sum(per_prompt.values())
 
 
 def chat_response(

@@ -27,6 +27,7 @@ class ProxyState:
     metrics: ProxyMetrics
     draining: bool = False
     api_keys: list[bytes] = field(default_factory=list)
+    admin_keys: list[bytes] = field(default_factory=list)  # operators: /metrics, /health details
 
     @classmethod
     def build(cls, config: ProxyConfig) -> ProxyState:
@@ -35,6 +36,7 @@ class ProxyState:
             backend=TritonBackend(config),
             metrics=ProxyMetrics(),
             api_keys=security.api_keys(config),  # flags, env and the key file
+            admin_keys=security.admin_keys(config),
         )
 
 
@@ -54,6 +56,18 @@ async def require_api_key(request: Request, state: State) -> None:
     error = security.api_key_error(request.headers, state.api_keys)
     if error is not None:
         raise error
+
+
+async def tenant_key(request: Request, state: State) -> bytes | None:
+    """The caller's API key when the prefix cache is kept per key (`tenancy.py`); None with
+    no keys configured or the cache shared on purpose (`--share-prefix-cache`)."""
+    if not state.api_keys or state.config.share_prefix_cache:
+        return None
+    return security.matching_key(request.headers, state.api_keys)
+
+
+# A generation route's parameter `tenant: TenantKey` receives the key its jobs are salted with.
+TenantKey = Annotated[bytes | None, Depends(tenant_key)]
 
 
 async def not_draining(state: State) -> None:

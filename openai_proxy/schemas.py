@@ -538,10 +538,19 @@ class TopLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(
+        0,
+        description="Prompt tokens reused from the prefix cache (block-diffusion models; "
+        "shared only between requests of the same API key and `cache_salt`).",
+    )
+
+
 
 
 class TokenLogprob(TopLogprob):
     """OpenAI's per-token object plus `step` (issue 17)."""
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     top_logprobs: list[TopLogprob]
     step: int = Field(..., description=LOGPROB_FIELDS["step"])

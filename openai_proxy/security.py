@@ -1,4 +1,4 @@
-"""Safe exposure of the proxy: who may call it, and what an anonymous caller may learn.
+"""Safe exposure of the proxy: who may call it, and what a caller may learn of others.
 
 - A proxy listening beyond loopback without API keys refuses to start, unless the operator
   says so (``--allow-no-auth``): an open generation endpoint on a public port is a mistake
@@ -6,12 +6,18 @@
 - Keys come from flags/env (``DLM_PROXY_API_KEYS``) and from a file (``--api-keys-file``, one
   key per line, ``#`` comments): in compose a ``secrets:`` file, so keys never appear in
   ``docker inspect``.
-- ``/health`` answers every caller with its status code and ``status``; the Triton URLs, model
-  list and in-flight count are for callers with a valid key (or, with auth off, for a proxy
-  that only listens on loopback).
+- API keys are tenants: one must learn nothing of another's requests. Everything that counts
+  all requests (``/metrics``: prompt and completion tokens, requests, load; ``/health``'s
+  in-flight count, Triton URLs and models) is for operators: admin keys (``--admin-keys-file``),
+  or a private metrics port. Cached prompt pages are kept per key (``tenancy.py``).
+- ``/health`` answers every caller with its status code and ``status`` (load balancers need no
+  key); its details are for an admin key (with no key configured at all: for a proxy that
+  only listens on loopback).
 - ``/metrics`` can move to its own port (``--metrics-port``, not published by compose) where
-  it needs no key; it then leaves the API port. On the API port it needs a key when keys are
-  configured (Prometheus sends one with ``authorization: credentials_file``).
+  it needs no key; it then leaves the API port. On the API port it needs an admin key once any
+  key is configured (Prometheus sends one with ``authorization: credentials_file``).
+- The API's schema (``/openapi.json``) needs a key like ``/v1/``; no browser UI is served
+  (``/docs`` and ``/redoc`` would load Swagger UI and ReDoc from a CDN onto this origin).
 """
 
 from __future__ import annotations
@@ -72,11 +78,20 @@ def api_keys(cfg: ProxyConfig) -> list[bytes]:
     return [k.encode() for k in dict.fromkeys(keys)]
 
 
+def admin_keys(cfg: ProxyConfig) -> list[bytes]:
+    """Every operator key: the configured list plus the admin key file's."""
+    keys = list(cfg.admin_keys)
+    if cfg.admin_keys_file:
+        keys += read_key_file(cfg.admin_keys_file)
+    return [k.encode() for k in dict.fromkeys(keys)]
+
+
 def check_exposure(cfg: ProxyConfig) -> None:
     """Refuse an API beyond loopback without keys (unless ``allow_no_auth``), and a metrics port
     that collides with the API port."""
     if cfg.metrics_port and cfg.metrics_port == cfg.port:
         raise UnsafeExposureError(f"metrics_port {cfg.metrics_port} is the API port: pick another")
+    admin_keys(cfg)  # an admin key file that cannot be read stops the start, not a request
     if api_keys(cfg) or cfg.allow_no_auth or is_loopback(cfg.host):
         return
     raise UnsafeExposureError(
@@ -87,17 +102,30 @@ def check_exposure(cfg: ProxyConfig) -> None:
     )
 
 
-def bearer_ok(headers: Mapping[str, str] | list[tuple[bytes, bytes]], keys: list[bytes]) -> bool:
-    """A valid ``Authorization: Bearer <key>`` (constant-time compare)."""
+Headers = Mapping[str, str] | list[tuple[bytes, bytes]]
+
+
+def matching_key(headers: Headers, keys: list[bytes]) -> bytes | None:
+    """The key of a valid ``Authorization: Bearer <key>``, None without one (every key is
+    compared, each in constant time)."""
     if isinstance(headers, list):
         value = next((v.decode("latin-1") for k, v in headers if k == b"authorization"), "")
     else:
         value = headers.get("authorization", "")
     scheme, _, token = value.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        return False
+        return None
     given = token.strip().encode()
-    return any(hmac.compare_digest(given, k) for k in keys)
+    found = None
+    for key in keys:
+        if hmac.compare_digest(given, key):
+            found = key
+    return found
+
+
+def bearer_ok(headers: Headers, keys: list[bytes]) -> bool:
+    """A valid ``Authorization: Bearer <key>`` (constant-time compare)."""
+    return matching_key(headers, keys) is not None
 
 
 def api_key_error(headers: Mapping[str, str], keys: list[bytes]) -> AuthenticationError | None:
@@ -112,9 +140,14 @@ def api_key_error(headers: Mapping[str, str], keys: list[bytes]) -> Authenticati
     return None
 
 
-def sees_internals(headers: Mapping[str, str], cfg: ProxyConfig, keys: list[bytes]) -> bool:
-    """May this caller see Triton URLs, models and load in /health?"""
-    return bearer_ok(headers, keys) if keys else is_loopback(cfg.host)
+def sees_internals(
+    headers: Mapping[str, str], cfg: ProxyConfig, keys: list[bytes], admins: list[bytes]
+) -> bool:
+    """May this caller see Triton URLs, models and everyone's load in /health? An operator
+    (admin key); with no key configured at all, anyone who can reach a loopback-only proxy."""
+    if keys or admins:
+        return bearer_ok(headers, admins)
+    return is_loopback(cfg.host)
 
 
 def public_health(body: dict[str, Any]) -> dict[str, Any]:
@@ -124,11 +157,14 @@ def public_health(body: dict[str, Any]) -> dict[str, Any]:
 
 class MetricsGate:
     """Pure ASGI: serve ``/metrics`` on the metrics port only (and nothing else there), or on the
-    API port behind the API keys. The port is the connection's local port (``scope["server"]``),
-    so one uvicorn server listens on both sockets with one lifespan and one drain."""
+    API port for admin keys once any key is configured. The port is the connection's local port
+    (``scope["server"]``), so one uvicorn server listens on both sockets with one lifespan and
+    one drain."""
 
-    def __init__(self, app: ASGIApp, cfg: ProxyConfig, keys: list[bytes]) -> None:
-        self.app, self.metrics_port, self.keys = app, cfg.metrics_port, keys
+    def __init__(
+        self, app: ASGIApp, cfg: ProxyConfig, keys: list[bytes], admins: list[bytes]
+    ) -> None:
+        self.app, self.metrics_port, self.keys, self.admins = app, cfg.metrics_port, keys, admins
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -140,18 +176,23 @@ class MetricsGate:
             if is_metrics != on_metrics_port:
                 await _reply(scope, receive, send, 404, "not found", "not_found_error")
                 return
-        elif is_metrics and self.keys and not bearer_ok(scope.get("headers", []), self.keys):
-            await _reply(
-                scope, receive, send, 401, "missing or invalid API key", "authentication_error"
-            )
-            return
+        elif is_metrics and (self.keys or self.admins):
+            headers = scope.get("headers", [])
+            if not bearer_ok(headers, self.admins):
+                if bearer_ok(headers, self.keys):  # a tenant: these count everyone's requests
+                    msg = "/metrics needs an admin key (--admin-keys-file) or the --metrics-port"
+                    await _reply(scope, receive, send, 403, msg, "permission_error")
+                else:
+                    msg = "missing or invalid admin key"
+                    await _reply(scope, receive, send, 401, msg, "authentication_error")
+                return
         await self.app(scope, receive, send)
 
 
 async def _reply(
     scope: Scope, receive: Receive, send: Send, status: int, msg: str, kind: str
 ) -> None:
-    code = "invalid_api_key" if status == 401 else str(status)
+    code = {401: "invalid_api_key", 403: "admin_key_required"}.get(status, str(status))
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     response = JSONResponse(error_body(msg, kind, code=code), status_code=status, headers=headers)
     await response(scope, receive, send)

@@ -162,7 +162,14 @@ def decode_result(result: InferResult) -> TritonEvent:
         logprobs=json.loads(logprobs_raw) if logprobs_raw else None,
         tool_calls=json.loads(tool_calls_raw) if tool_calls_raw else None,
         score=json.loads(score_raw) if score_raw else None,
+        cached_tokens=_cached_tokens(result),
     )
+
+
+def _cached_tokens(result: InferResult) -> int | None:
+    """Prompt tokens served from the prefix cache; None from a model that does not say."""
+    value = _first(result, tensors.CACHED_TOKENS.name)
+    return None if value is None else int(value)
 
 
 def map_exception(exc: BaseException, retry_after_s: int) -> ProxyError:

@@ -1,5 +1,5 @@
 """Health and metrics: open to probes (no API key); what they reveal is `security.py`'s call
-(/health internals only for key holders, /metrics on its own port or behind the keys)."""
+(/health's details for operators only, /metrics on its own port or behind the admin keys)."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ async def health(request: Request, state: State) -> Any:
         "models": backend.ready_models(),
         "in_flight": state.metrics.in_flight,
     }
-    if not security.sees_internals(request.headers, state.config, state.api_keys):
-        body = security.public_health(body)  # anonymous callers learn the status only
+    if not security.sees_internals(request.headers, state.config, state.api_keys, state.admin_keys):
+        body = security.public_health(body)  # probes and tenants learn the status only
     if ready:
         return body
     headers = {"Retry-After": str(state.config.retry_after_s)}

@@ -100,7 +100,7 @@ def test_unknown_routes_and_methods_are_openai_errors(client: TestClient) -> Non
 
 
 def test_auth_on() -> None:
-    with make_client(api_keys=["k1", "k2"]) as c:
+    with make_client(api_keys=["k1", "k2"], admin_keys=["ops"]) as c:
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic k1"}):
             err = assert_openai_error(
                 c.post("/v1/chat/completions", json=CHAT, headers=headers), 401
@@ -111,10 +111,14 @@ def test_auth_on() -> None:
         ok = c.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer k2"})
         assert ok.status_code == 503
         # Health stays open for probes (status only: see test_proxy_security.py); metrics on the
-        # API port need a key once keys are configured (or move to --metrics-port).
+        # API port need an admin key once keys are configured (or move to --metrics-port): an
+        # API key is a tenant's, and the counters are everyone's.
         assert c.get("/health").status_code == 503
         assert_openai_error(c.get("/metrics"), 401)
-        assert c.get("/metrics", headers={"Authorization": "Bearer k1"}).status_code == 200
+        tenant = assert_openai_error(c.get("/metrics", headers={"Authorization": "Bearer k1"}), 403)
+        assert "admin key" in tenant["message"]
+        assert c.get("/metrics", headers={"Authorization": "Bearer ops"}).status_code == 200
+        assert_openai_error(c.post("/v1/completions", headers={"Authorization": "Bearer ops"}), 401)
 
 
 def test_body_size_limit() -> None:

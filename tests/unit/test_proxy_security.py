@@ -93,15 +93,22 @@ def test_keys_from_the_file_are_accepted(key_file: Path) -> None:
         assert bad.status_code == 401
 
 
-def test_health_hides_internals_from_anonymous_callers(key_file: Path) -> None:
-    with TestClient(create_app(cfg(host="0.0.0.0", api_keys_file=str(key_file)))) as c:
+def test_health_hides_internals_from_anonymous_callers_and_tenants(key_file: Path) -> None:
+    keys = {"api_keys_file": str(key_file), "admin_keys": ["ops"]}
+    with TestClient(create_app(cfg(host="0.0.0.0", **keys))) as c:
         anonymous = c.get("/health")
         assert anonymous.status_code == 503 and "retry-after" in anonymous.headers
         assert anonymous.json() == {"status": "unavailable"}
         wrong = c.get("/health", headers={"Authorization": "Bearer nope"})
         assert wrong.json() == {"status": "unavailable"}
-        operator = c.get("/health", headers={"Authorization": "Bearer key-two"}).json()
+        tenant = c.get("/health", headers={"Authorization": "Bearer key-two"})
+        assert tenant.json() == {"status": "unavailable"}  # no one's load, URLs or models
+        operator = c.get("/health", headers={"Authorization": "Bearer ops"}).json()
         assert operator["status"] == "unavailable" and operator["triton"][0]["ready"] is False
+        assert operator["in_flight"] == 0
+    with TestClient(create_app(cfg(host="0.0.0.0", api_keys_file=str(key_file)))) as c:
+        tenant = c.get("/health", headers={"Authorization": "Bearer key-two"})
+        assert tenant.json() == {"status": "unavailable"}  # no admin key: details for nobody
     with TestClient(create_app(cfg(host="0.0.0.0", allow_no_auth=True))) as c:
         assert c.get("/health").json() == {"status": "unavailable"}  # open API, closed details
     with TestClient(create_app(cfg(host="127.0.0.1"))) as c:
