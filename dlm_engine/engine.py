@@ -349,6 +349,7 @@ class Engine:
             metrics=self._timing(seq, now),
             logprobs=logprobs,
             tool_calls=tool_calls,
+            cached_tokens=seq.cached_tokens,
         )
 
     @staticmethod
@@ -371,7 +372,6 @@ class Engine:
             raise InvalidRequestError("prompt", f"needs at least {shift + 1} tokens to be scored")
         generator = torch.Generator()
         if params.seed is None:
-            cached_tokens=seq.cached_tokens,
             generator.seed()
         else:
             generator.manual_seed(params.seed)
@@ -467,6 +467,7 @@ class Engine:
             steps=seq.forwards,
             error=error,
             metrics=self._timing(seq, time.monotonic()),
+            cached_tokens=seq.cached_tokens,
         )
 
     def drop_running(self) -> list[tuple[str, int]]:
@@ -489,7 +490,6 @@ class Engine:
             yield from self.step()
 
     def generate(
-            cached_tokens=seq.cached_tokens,
         self,
         prompts: list[list[int]],
         params: SamplingParams

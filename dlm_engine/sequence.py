@@ -51,9 +51,9 @@ class Sequence:
         # block rows: first position whose cached keys are not final (at admission: the end
         # of the prompt pages shared from the prefix cache, dlm_engine/block_pages.py)
         self.kv_upto = 0
-        # LLaDA2.1 token editing (joint_threshold): a block stays editable until it ends, so
         # prompt tokens whose keys came from the prefix cache (usage's `cached_tokens`)
         self.cached_tokens = 0
+        # LLaDA2.1 token editing (joint_threshold): a block stays editable until it ends, so
         # only the canvas before `final_upto` (canvas-relative) is final
         self.editing = bool(self.layout) and params.algorithm == "joint_threshold"
         self.post_edits = 0

@@ -519,8 +519,6 @@ PARAMS: tuple[Param, ...] = (
         "request parameter there is Triton's own scheduler's and never reaches the model)",
         examples=(-5, 101),
     ),
-)
-
     Param(
         "cache_salt",
         STR,
@@ -533,6 +531,8 @@ PARAMS: tuple[Param, ...] = (
         examples=("tenant-a", ""),
         shape=structure_shapes.non_empty_string,
     ),
+)
+
 # ---- issue 15: accelerated decoding — Fast-dLLM's factor rule (NVlabs/Fast-dLLM
 # llada/generate.py), LocalLeap (dlmserve 0.1.1, arXiv 2510.07081), d3LLM multi-block decoding
 # (hao-ai-lab/d3LLM, SGLang PR #20615). Defaults are the published ones (applied by the engine,

@@ -518,10 +518,19 @@ class CompletionRequest(_RequestBase):
 # Responses (non-streaming bodies and the documented chunk shapes)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(
+        0,
+        description="Prompt tokens reused from the prefix cache (block-diffusion models; "
+        "shared only between requests of the same API key and `cache_salt`).",
+    )
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
     forwards: int | None = Field(None, description=USAGE_EXTRAS["forwards"])
     tokens_per_forward: float | None = Field(None, description=USAGE_EXTRAS["tokens_per_forward"])
 
@@ -538,19 +547,10 @@ class TopLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = Field(
-        0,
-        description="Prompt tokens reused from the prefix cache (block-diffusion models; "
-        "shared only between requests of the same API key and `cache_salt`).",
-    )
-
-
 
 
 class TokenLogprob(TopLogprob):
     """OpenAI's per-token object plus `step` (issue 17)."""
-    prompt_tokens_details: PromptTokensDetails | None = None
 
     top_logprobs: list[TopLogprob]
     step: int = Field(..., description=LOGPROB_FIELDS["step"])
