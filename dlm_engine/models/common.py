@@ -8,6 +8,7 @@ these pieces under their own published module names so checkpoints load without 
 from __future__ import annotations
 
 import logging
+import types
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +25,16 @@ class FusedKernels:
 
     enabled = False
 
+    fallbacks: list[str] = []  # names of the functions that fell back to eager, for reports
+
     def __init__(self, fn) -> None:
-        self.fn = fn
+        # A code object of its own: the compiler keeps its compiled variants (and counts them
+        # against its recompile limit) per code object, so two kernels built from one function
+        # (the hidden-state and the per-head norm: rank 3 and rank 4 inputs) would otherwise
+        # evict each other until the limit disables both.
+        self.fn = types.FunctionType(
+            fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+        )
         self.compiled = None
         self.failed = False
 
@@ -38,6 +47,7 @@ class FusedKernels:
             except Exception as exc:  # compiler missing or unsupported: stay correct
                 logging.getLogger(__name__).warning("fused %s disabled: %s", self.fn.__name__, exc)
                 self.failed = True
+                FusedKernels.fallbacks.append(self.fn.__name__)
         return self.fn(*args)
 
 
