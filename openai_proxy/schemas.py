@@ -10,7 +10,7 @@ default are accepted.
 OpenAI's own fields are typed strictly, as OpenAI does (no string-to-bool or string-to-number
 coercion). Every key of the request contract (`dlm_protocol.PARAMS`) is a field generated from
 it: its aliases, its check (the engine's own, so the message and field are the same over every
-surface) and its JSON schema for /docs.
+surface) and its JSON schema for /openapi.json.
 """
 
 from __future__ import annotations
