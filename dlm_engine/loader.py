@@ -21,6 +21,7 @@ from .decoding.checkpoint_defaults import decoding_defaults
 from .fp8_checkpoint import fp8_format, install_fp8_layers
 from .hub import resolve_checkpoint, weight_files
 from .models import LLADA, Family, build_model, detect_family
+from .models.diffusion_gemma import drop_unused
 from .quantization import quantize_linears
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ def _special_ids(
 ) -> tuple[int, int, frozenset[int]]:
     vocab = tok.get_vocab()
     mask_id = config.get("mask_token_id", gen.get("mask_token_id"))
+    if family.uniform_diffusion:  # no mask token; -1 marks canvas positions not yet final
+        mask_id = -1
     if mask_id is None:
         mask_id = vocab.get(family.mask_token)
     published = PUBLISHED_MASK_IDS.get(family.name)
@@ -221,6 +224,8 @@ def load_checkpoint(
             raise ValueError(f"an FP8 checkpoint cannot be loaded with quantization={quantization}")
         install_fp8_layers(model, state, fp8)
     expected = set(model.state_dict())
+    if family.uniform_diffusion:  # DiffusionGemma: text only, encoder tied to decoder
+        drop_unused(state, expected)
     unexpected = sorted(set(state) - expected)
     missing = sorted(expected - set(state))
     if missing:

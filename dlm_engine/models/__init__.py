@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from .diffusion_gemma import DiffusionGemmaArch, DiffusionGemmaModel, is_diffusion_gemma
 from .dream import DreamArch, DreamModel
 from .llada import LLaDAArch, LLaDAModel
 from .llada2 import LLaDA2Arch, LLaDA2Model
@@ -27,6 +28,7 @@ class Family:
     end_of_turn_tokens: tuple[str, ...]
     block_diffusion: bool = False
     default_block_length: int = 0
+    uniform_diffusion: bool = False  # no mask token: canvases of random tokens (DiffusionGemma)
 
 
 LLADA = Family("llada", "low_confidence", True, "<|mdm_mask|>", ("<|eot_id|>", "<|endoftext|>"))
@@ -53,12 +55,24 @@ LLADA2 = Family(
     block_diffusion=True,
     default_block_length=32,
 )
+# DiffusionGemma: uniform-state diffusion over canvases (models/diffusion_gemma.py,
+# decoding/uniform_diffusion.py); Gemma's tokenizer, turns end with <end_of_turn>.
+DIFFUSION_GEMMA = Family(
+    "diffusion_gemma",
+    "uniform",
+    False,
+    "",
+    ("<end_of_turn>", "<turn|>"),
+    uniform_diffusion=True,
+)
 
 
 def detect_family(config: dict[str, Any]) -> Family:
     """The family from `model_type` / `architectures`, as the published configs name them."""
     model_type = str(config.get("model_type", "")).lower()
     archs = [str(a).lower() for a in config.get("architectures") or []]
+    if is_diffusion_gemma(config):
+        return DIFFUSION_GEMMA
     if model_type == "sdar" or "sdarforcausallm" in archs:
         return SDAR
     # before LLaDA: "llada2moemodellm" also starts with "llada"
@@ -70,7 +84,8 @@ def detect_family(config: dict[str, Any]) -> Family:
         return DREAM
     raise ValueError(
         f"unsupported checkpoint: model_type={config.get('model_type')!r} "
-        f"architectures={config.get('architectures')!r} (supported: LLaDA, Dream, SDAR, LLaDA2)"
+        f"architectures={config.get('architectures')!r} "
+        "(supported: LLaDA, Dream, SDAR, LLaDA2, DiffusionGemma)"
     )
 
 
@@ -82,7 +97,18 @@ def build_model(family: Family, config: dict[str, Any]) -> nn.Module:
         return SDARModel(SDARArch.from_config(config))
     if family is LLADA2:
         return LLaDA2Model(LLaDA2Arch.from_config(config))
+    if family is DIFFUSION_GEMMA:
+        return DiffusionGemmaModel(DiffusionGemmaArch.from_config(config))
     return DreamModel(DreamArch.from_config(config))
 
 
-__all__ = ["DREAM", "LLADA", "LLADA2", "SDAR", "Family", "build_model", "detect_family"]
+__all__ = [
+    "DIFFUSION_GEMMA",
+    "DREAM",
+    "LLADA",
+    "LLADA2",
+    "SDAR",
+    "Family",
+    "build_model",
+    "detect_family",
+]

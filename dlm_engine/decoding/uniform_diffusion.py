@@ -1,0 +1,222 @@
+"""Uniform-state diffusion decoding (DiffusionGemma): one canvas at a time, every row alone.
+
+A canvas starts as uniformly random tokens. Each denoising step the decoder predicts every
+position; the logits are divided by a temperature falling linearly from `t_max` to `t_min`;
+a token is sampled per position; the lowest-entropy positions are accepted while their
+summed entropy minus the largest stays within `entropy_bound` (approximately independent
+tokens), and every other position is renoised with a fresh random token. The step's logits
+condition the next step (self-conditioning). A canvas ends once its argmax canvas has been
+the same for `stability_threshold` steps and its mean entropy is below `stop_entropy`
+(adaptive stopping), or after `steps` steps; its argmax canvas is the text, encoded into the
+cache before the next canvas. The answer ends with the canvas that holds an end-of-text id.
+
+Every random draw comes from the row's own generator, seeded by the request's `seed`, in the
+order transformers' `DiffusionGemmaForBlockDiffusion.generate` makes them at batch size 1
+after `torch.manual_seed(seed)`: per canvas one `randint` for the initial canvas, then per
+step one `multinomial` over the canvas and one `randint` for renoising (also on the step that
+ends the canvas). So a row's tokens do not depend on what else runs in its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.diffusion_gemma import DiffusionGemmaModel, RowCache
+
+
+@dataclass(frozen=True)
+class UniformSettings:
+    """One request's sampler settings (the checkpoint's generation_config unless given)."""
+
+    steps: int  # max_denoising_steps per canvas
+    t_min: float
+    t_max: float
+    entropy_bound: float
+    stability_threshold: int | None  # adaptive stopping needs both of these
+    stop_entropy: float | None  # generation_config `confidence_threshold`
+    canvases: int  # ceil(max_tokens / canvas_length)
+
+    @property
+    def adaptive_stop(self) -> bool:
+        return self.stability_threshold is not None and self.stop_entropy is not None
+
+
+def temperature(s: UniformSettings, remaining: int, device: torch.device) -> torch.Tensor:
+    """The schedule's temperature with `remaining` steps left (N at the first step, 1 at the
+    last), in float32 as the reference computes it from an int32 step tensor."""
+    step = torch.tensor(remaining, dtype=torch.int32, device=device)
+    return s.t_min + (s.t_max - s.t_min) * (step / s.steps)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of each position's categorical distribution (nats)."""
+    return torch.distributions.Categorical(logits=logits).entropy()
+
+
+def accepted_mask(entropy: torch.Tensor, bound: float) -> torch.Tensor:
+    """Entropy-bound acceptance: the k lowest-entropy positions with sum - max <= bound."""
+    ordered, order = torch.sort(entropy, dim=-1, descending=False)
+    keep = torch.cumsum(ordered, dim=-1) - ordered <= bound
+    return torch.scatter(torch.zeros_like(keep), -1, order, keep)
+
+
+class UniformRow:
+    """One request's decoding state: its cache, generator, canvas and step counters."""
+
+    def __init__(
+        self,
+        prompt: torch.Tensor,
+        settings: UniformSettings,
+        *,
+        seed: int | None,
+        n_layers: int,
+        canvas_length: int,
+        vocab_size: int,
+        stop_ids: torch.Tensor,
+    ) -> None:
+        self.settings = settings
+        self.canvas_length = canvas_length
+        self.vocab_size = vocab_size
+        self.stop_ids = stop_ids
+        self.generator = torch.Generator(device=prompt.device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+        self.cache = RowCache(n_layers)
+        self.to_encode: torch.Tensor | None = prompt  # the prompt, then each finished canvas
+        self.current: torch.Tensor | None = None  # the canvas fed to the next step [1, L]
+        self.argmax: torch.Tensor | None = None
+        self.soft_logits: torch.Tensor | None = None  # self-conditioning input [1, L, V]
+        self.history: torch.Tensor | None = None  # last argmax canvases, adaptive stopping
+        self.remaining = 0  # steps left in this canvas (the schedule's cur_step)
+        self.canvases_done = 0
+        self.forwards = 0
+        self.done = False
+
+    def _random_canvas(self) -> torch.Tensor:
+        return torch.randint(
+            0,
+            self.vocab_size,
+            (1, self.canvas_length),
+            generator=self.generator,
+            device=self.generator.device,
+        )
+
+    def start_canvas(self, model: DiffusionGemmaModel) -> None:
+        """Encode what is pending and draw the new canvas."""
+        assert self.to_encode is not None
+        model.encode(self.to_encode, self.cache.length, self.cache)
+        self.to_encode = None
+        self.current = self._random_canvas()
+        self.argmax = self.current
+        self.soft_logits = None
+        self.history = None
+        self.remaining = self.settings.steps
+
+    def absorb(self, logits: torch.Tensor, dtype: torch.dtype) -> list[int] | None:
+        """One step's logits [1, L, V] -> the finished canvas's tokens, or None if it goes on."""
+        s = self.settings
+        processed = logits / temperature(s, self.remaining, logits.device)
+        probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+        sampled = torch.multinomial(
+            probs.view(-1, self.vocab_size), num_samples=1, generator=self.generator
+        ).view(1, self.canvas_length)
+        self.argmax = torch.argmax(processed, dim=-1)
+        entropy = token_entropy(processed)
+        accept = accepted_mask(entropy, s.entropy_bound)
+        accepted = torch.where(accept, sampled, self.current)
+        self.current = torch.where(~accept, self._random_canvas(), accepted)
+        finished = False
+        if s.adaptive_stop:
+            finished = self._stable() and bool(entropy.mean(dim=-1)[0] < s.stop_entropy)
+        self.soft_logits = processed.to(dtype)
+        self.remaining -= 1
+        self.forwards += 1
+        if not (finished or self.remaining == 0):
+            return None
+        return self._finish_canvas()
+
+    def _stable(self) -> bool:
+        """The argmax canvas equals each of the last `stability_threshold` ones."""
+        n = self.settings.stability_threshold
+        if n == 0:
+            return True
+        if self.history is None:
+            self.history = torch.full((n, *self.argmax.shape), -1, device=self.argmax.device)
+        stable = bool((self.history == self.argmax[None]).all())
+        self.history = torch.roll(self.history, shifts=-1, dims=0)
+        self.history[-1] = self.argmax
+        return stable
+
+    def _finish_canvas(self) -> list[int]:
+        canvas = self.argmax
+        self.canvases_done += 1
+        self.to_encode = canvas[0]
+        if self.canvases_done >= self.settings.canvases or bool(
+            torch.isin(canvas, self.stop_ids).any()
+        ):
+            self.done = True
+        return canvas[0].tolist()
+
+
+def step_rows(model: DiffusionGemmaModel, rows: list[UniformRow]) -> list[list[int] | None]:
+    """One denoising step for every row: encode where a canvas starts, one decoder forward
+    over all canvases, then each row samples, accepts and renoises with its own generator."""
+    for row in rows:
+        if row.current is None or row.to_encode is not None:
+            row.start_canvas(model)
+    dtype = model.model.decoder.embed_tokens.weight.dtype
+    logits = model.decode(
+        torch.cat([r.current for r in rows]), [r.soft_logits for r in rows], [r.cache for r in rows]
+    )
+    return [row.absorb(logits[i : i + 1], dtype) for i, row in enumerate(rows)]
+
+
+def generate(
+    model: DiffusionGemmaModel,
+    prompts: list[list[int]],
+    settings: list[UniformSettings],
+    seeds: list[int | None],
+    stop_ids: list[int],
+) -> list[list[int]]:
+    """Decode prompts together to the end (the engine's rows, without a server): the tokens
+    of each row's finished canvases, whole (the caller cuts at stops and max_tokens)."""
+    return run_rows(model, make_rows(model, prompts, settings, seeds, stop_ids))
+
+
+def make_rows(
+    model: DiffusionGemmaModel,
+    prompts: list[list[int]],
+    settings: list[UniformSettings],
+    seeds: list[int | None],
+    stop_ids: list[int],
+) -> list[UniformRow]:
+    device = next(model.parameters()).device
+    stops = torch.tensor(stop_ids, device=device)
+    return [
+        UniformRow(
+            torch.tensor(p, device=device),
+            s,
+            seed=seed,
+            n_layers=len(model.model.decoder.layers),
+            canvas_length=model.canvas_length,
+            vocab_size=model.vocab_size,
+            stop_ids=stops,
+        )
+        for p, s, seed in zip(prompts, settings, seeds, strict=True)
+    ]
+
+
+def run_rows(model: DiffusionGemmaModel, rows: list[UniformRow]) -> list[list[int]]:
+    """Step `rows` together until each is done; each row's finished canvases, whole."""
+    out: list[list[int]] = [[] for _ in rows]
+    while True:
+        live = [i for i, r in enumerate(rows) if not r.done]
+        if not live:
+            return out
+        for i, canvas in zip(live, step_rows(model, [rows[i] for i in live]), strict=True):
+            if canvas is not None:
+                out[i].extend(canvas)

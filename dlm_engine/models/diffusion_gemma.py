@@ -1,0 +1,520 @@
+"""DiffusionGemma (`DiffusionGemmaForBlockDiffusion`): a Gemma 4 MoE backbone run twice.
+
+A uniform-state diffusion LM that writes its answer one canvas (`canvas_length` tokens, 256
+published) at a time. An *encoder* reads the prompt and every finished canvas causally and
+leaves their keys and values in a cache; a *decoder* with the same weights reads a canvas of
+token ids plus a self-conditioning signal (the previous step's softmax as soft embeddings),
+attends bidirectionally over the cache and the canvas, and writes nothing to the cache.
+
+Module names mirror the published checkpoint (`model.decoder.embed_tokens`,
+`model.decoder.layers.N.{self_attn,mlp,router,experts,...}`, `model.decoder.self_conditioning`,
+`model.decoder.norm`); the encoder's text weights are tied to the decoder's (not stored), only
+its `layer_scalar`s are its own. The vision tower is not built (text only). Checked against
+transformers' `models/diffusion_gemma/modeling_diffusion_gemma.py`:
+
+- Gemma 4 layers: sliding-window layers (head_dim, own v_proj) and full layers (a wider head,
+  fewer KV heads, values = the raw keys, "k = v"); q/k RMS-normed per head before RoPE, values
+  RMS-normed without scale, attention scale 1; proportional RoPE on full layers (only the
+  first `partial_rotary_factor` of the frequencies rotate).
+- Each layer adds a dense GELU MLP and a top-k MoE (router on the un-normed residual), each
+  with its own norms, then scales by `layer_scalar`.
+- The encoder's sliding layers keep the last `sliding_window - 1` keys; the decoder sees those
+  (sliding layers) or all (full layers) plus the canvas, unmasked.
+- Logits in float32 with tanh soft-capping (`final_logit_softcapping`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURE = "DiffusionGemmaForBlockDiffusion"
+MODEL_TYPE = "diffusion_gemma"
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What differs between sliding and full layers."""
+
+    sliding: bool
+    head_dim: int
+    kv_heads: int
+    rope_theta: float
+    rope_type: str
+    partial_rotary_factor: float
+    rope_factor: float
+
+
+@dataclass(frozen=True)
+class DiffusionGemmaArch:
+    """The text keys of a DiffusionGemma `config.json` (under `text_config`) plus the canvas."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    sliding_window: int
+    rms_norm_eps: float
+    final_logit_softcapping: float | None
+    num_experts: int
+    top_k_experts: int
+    moe_intermediate_size: int
+    canvas_length: int
+    layers: tuple[LayerShape, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> DiffusionGemmaArch:
+        t = cfg.get("text_config") or {}
+        if t.get("use_bidirectional_attention") == "all":
+            raise ValueError(
+                "DiffusionGemma with use_bidirectional_attention='all' (a bidirectional "
+                "encoder) is not supported; published checkpoints encode causally"
+            )
+        if not cfg.get("tie_word_embeddings", True):
+            raise ValueError("DiffusionGemma with untied encoder/decoder weights is not supported")
+        act = t.get("hidden_activation", "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"unsupported DiffusionGemma hidden_activation {act!r}")
+        n = int(t.get("num_hidden_layers", 30))
+        types = list(t.get("layer_types") or [])
+        if not types:
+            types = [
+                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)
+            ]
+        types[-1] = "full_attention"  # as the reference config forces
+        rope = t.get("rope_parameters") or {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1_000_000.0,
+            },
+        }
+        per_layer = {int(k): v for k, v in (t.get("per_layer_config") or {}).items()}
+        head_dim = int(t.get("head_dim", 256))
+        kv_heads = int(t.get("num_key_value_heads", 4))
+        global_kv = t.get("num_global_key_value_heads")
+        shapes = []
+        for i, kind in enumerate(types):
+            sliding = kind == "sliding_attention"
+            over = per_layer.get(i)
+            if over is None and not sliding:  # configs written before per_layer_config
+                over = {"head_dim": int(t.get("global_head_dim", 512))}
+                if global_kv is not None:
+                    over["num_key_value_heads"] = int(global_kv)
+            over = over or {}
+            r = rope[kind]
+            if r.get("rope_type", "default") not in ("default", "proportional"):
+                raise ValueError(f"unsupported DiffusionGemma rope_type {r.get('rope_type')!r}")
+            shapes.append(
+                LayerShape(
+                    sliding=sliding,
+                    head_dim=int(over.get("head_dim", head_dim)),
+                    kv_heads=int(over.get("num_key_value_heads", kv_heads)),
+                    rope_theta=float(r["rope_theta"]),
+                    rope_type=r.get("rope_type", "default"),
+                    partial_rotary_factor=float(r.get("partial_rotary_factor", 1.0)),
+                    rope_factor=float(r.get("factor", 1.0)),
+                )
+            )
+        soft_cap = t.get("final_logit_softcapping", 30.0)
+        return cls(
+            vocab_size=int(t.get("vocab_size", 262_144)),
+            hidden_size=int(t.get("hidden_size", 2304)),
+            intermediate_size=int(t.get("intermediate_size", 9216)),
+            num_attention_heads=int(t.get("num_attention_heads", 8)),
+            sliding_window=int(t.get("sliding_window", 512)),
+            rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+            final_logit_softcapping=None if soft_cap is None else float(soft_cap),
+            num_experts=int(t["num_experts"]),
+            top_k_experts=int(t["top_k_experts"]),
+            moe_intermediate_size=int(t["moe_intermediate_size"]),
+            canvas_length=int(cfg.get("canvas_length") or 256),
+            layers=tuple(shapes),
+        )
+
+
+def inv_frequencies(shape: LayerShape) -> torch.Tensor:
+    """RoPE inverse frequencies as transformers computes them (float32), `default` over the
+    rotated part of the head or `proportional`: the first `partial_rotary_factor` of the
+    head's frequencies rotate, the rest are zero (no rotation)."""
+    base, d = shape.rope_theta, shape.head_dim
+    if shape.rope_type == "default":
+        dim = int(d * shape.partial_rotary_factor)
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    angles = int(shape.partial_rotary_factor * d // 2)
+    rotated = 1.0 / (base ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / d))
+    inv = torch.cat((rotated, torch.zeros(d // 2 - angles)))
+    return inv / shape.rope_factor
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma 4's RMSNorm: x * (mean(x^2) + eps)^-0.5 in float32, times `weight` (not 1 +
+    weight), or unscaled."""
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            h = h * self.weight.float()
+        return h.type_as(x)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, heads, d]; cos/sin: [B, T, d]."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + _rotate_half(x) * sin
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, a: DiffusionGemmaArch, shape: LayerShape) -> None:
+        super().__init__()
+        self.shape = shape
+        self.n_heads, self.head_dim, self.kv_heads = (
+            a.num_attention_heads,
+            shape.head_dim,
+            shape.kv_heads,
+        )
+        self.q_proj = nn.Linear(a.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(a.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = (
+            nn.Linear(a.hidden_size, self.kv_heads * self.head_dim, bias=False)
+            if shape.sliding
+            else None
+        )
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, a.hidden_size, bias=False)
+        self.q_norm = GemmaRMSNorm(self.head_dim, a.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, a.rms_norm_eps)
+        self.v_norm = GemmaRMSNorm(self.head_dim, a.rms_norm_eps, with_scale=False)
+
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries [B, H, T, d], keys and values [B, KV, T, d] (normed, keys and queries
+        rotated)."""
+        b, t, _ = h.shape
+        q = self.q_norm(self.q_proj(h).view(b, t, -1, self.head_dim))
+        q = _rope(q, cos, sin).transpose(1, 2)
+        k = self.k_proj(h).view(b, t, -1, self.head_dim)
+        v = self.v_proj(h).view(b, t, -1, self.head_dim) if self.v_proj is not None else k
+        k = _rope(self.k_norm(k), cos, sin).transpose(1, 2)
+        v = self.v_norm(v).transpose(1, 2)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None):
+        """One row's attention (scale 1, GQA by repeating keys): q [1, H, T, d]."""
+        rep = self.n_heads // self.kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class GemmaRouter(nn.Module):
+    """Top-k routing on the unscaled-normed residual; weights renormalised over the top k and
+    scaled per expert."""
+
+    def __init__(self, a: DiffusionGemmaArch) -> None:
+        super().__init__()
+        self.top_k = a.top_k_experts
+        self.root = a.hidden_size**-0.5
+        self.norm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps, with_scale=False)
+        self.proj = nn.Linear(a.hidden_size, a.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(a.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(a.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.norm(x) * self.scale * self.root
+        probs = F.softmax(self.proj(h), dim=-1, dtype=torch.float32)
+        weights, index = torch.topk(probs, k=self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[index], index
+
+
+class GemmaExperts(nn.Module):
+    """Expert weights as 3D tensors (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]); each
+    token sums its experts' outputs in expert order."""
+
+    def __init__(self, a: DiffusionGemmaArch) -> None:
+        super().__init__()
+        e, h, i = a.num_experts, a.hidden_size, a.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
+        out = torch.zeros_like(x)
+        for e in torch.unique(index).tolist():
+            token, slot = torch.where(index == e)
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e])
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+class GemmaLayer(nn.Module):
+    def __init__(self, a: DiffusionGemmaArch, shape: LayerShape) -> None:
+        super().__init__()
+        h, eps = a.hidden_size, a.rms_norm_eps
+        self.self_attn = GemmaAttention(a, shape)
+        self.mlp = GemmaMLP(h, a.intermediate_size)
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.post_feedforward_layernorm_1 = GemmaRMSNorm(h, eps)
+        self.post_feedforward_layernorm_2 = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm_2 = GemmaRMSNorm(h, eps)
+        self.router = GemmaRouter(a)
+        self.experts = GemmaExperts(a)
+        self.layer_scalar = nn.Buffer(torch.ones(1))
+
+    def feed_forward(self, x: torch.Tensor, attn: torch.Tensor, scalar: torch.Tensor):
+        """Everything after attention: residual, dense MLP + MoE, layer scalar."""
+        x = x + self.post_attention_layernorm(self.self_attn.o_proj(attn))
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
+        flat = x.reshape(-1, x.shape[-1])
+        weights, index = self.router(flat)
+        moe = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights)
+        moe = self.post_feedforward_layernorm_2(moe.reshape(x.shape))
+        x = x + self.post_feedforward_layernorm(dense + moe)
+        return x * scalar
+
+
+class SelfConditioning(nn.Module):
+    """The previous step's soft embeddings through a gated MLP, added to the canvas embeddings."""
+
+    def __init__(self, a: DiffusionGemmaArch) -> None:
+        super().__init__()
+        self.pre_norm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_norm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps, with_scale=False)
+        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+
+    def forward(self, embeds: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
+        n = self.pre_norm(soft)
+        signal = self.down_proj(F.gelu(self.gate_proj(n), approximate="tanh") * self.up_proj(n))
+        return self.post_norm(embeds + signal)
+
+
+class _Decoder(nn.Module):
+    def __init__(self, a: DiffusionGemmaArch) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(GemmaLayer(a, s) for s in a.layers)
+        self.norm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(a)
+
+
+class _ScalarOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer_scalar = nn.Buffer(torch.ones(1))
+
+
+class _EncoderText(nn.Module):
+    """The encoder's own tensors: its layer scalars (all other weights are the decoder's)."""
+
+    def __init__(self, a: DiffusionGemmaArch) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_ScalarOnly() for _ in a.layers)
+
+
+class _Encoder(nn.Module):
+    def __init__(self, a: DiffusionGemmaArch) -> None:
+        super().__init__()
+        self.language_model = _EncoderText(a)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, a: DiffusionGemmaArch) -> None:
+        super().__init__()
+        self.encoder = _Encoder(a)
+        self.decoder = _Decoder(a)
+
+
+class RowCache:
+    """One request's encoder keys and values, per layer [KV heads, S, d]; sliding layers keep
+    only their last `sliding_window - 1` positions, as transformers' sliding cache layers."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * n_layers
+        self.values: list[torch.Tensor | None] = [None] * n_layers
+        self.length = 0  # positions encoded so far
+
+    def layer(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.keys[i], self.values[i]
+
+
+class DiffusionGemmaModel(nn.Module):
+    """The text model: `encode` a span into a row's cache, `decode` canvases over caches."""
+
+    logits_shift = 0
+
+    def __init__(self, arch: DiffusionGemmaArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = _Backbone(arch)
+        self.embed_scale = float(torch.tensor(arch.hidden_size**0.5, device="cpu"))  # float32
+        self._inv_freq: dict[tuple, torch.Tensor] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    @property
+    def canvas_length(self) -> int:
+        return self.arch.canvas_length
+
+    def fuse_projections(self) -> None:
+        """Nothing fused: the loader's hook for the other families."""
+
+    @property
+    def _decoder(self) -> _Decoder:
+        return self.model.decoder
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self._decoder.embed_tokens.weight
+        return F.embedding(ids, w) * torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
+
+    def _rope(self, shape: LayerShape, positions: torch.Tensor, dtype: torch.dtype):
+        key = (shape.rope_type, shape.head_dim, shape.rope_theta, shape.partial_rotary_factor)
+        inv = self._inv_freq.get(key)
+        if inv is None or inv.device != positions.device:
+            inv = self._inv_freq[key] = inv_frequencies(shape).to(positions.device)
+        freqs = positions[..., None].float() * inv
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @torch.no_grad()
+    def encode(self, ids: torch.Tensor, start: int, cache: RowCache) -> None:
+        """Run the encoder over `ids` [T] at positions start.. and append their keys and
+        values to `cache` (causal; sliding layers within their window)."""
+        a = self.arch
+        x = self._embed(ids[None])
+        t = ids.shape[0]
+        pos = torch.arange(start, start + t, device=ids.device)
+        last = len(self._decoder.layers) - 1
+        for i, layer in enumerate(self._decoder.layers):
+            shape = layer.self_attn.shape
+            cos, sin = self._rope(shape, pos[None], x.dtype)
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            old_k, old_v = cache.layer(i)
+            if old_k is not None:
+                k_all, v_all = torch.cat([old_k, k[0]], 1), torch.cat([old_v, v[0]], 1)
+            else:
+                k_all, v_all = k[0], v[0]
+            keep = a.sliding_window - 1 if shape.sliding else None
+            cache.keys[i] = k_all[:, -keep:] if keep else k_all
+            cache.values[i] = v_all[:, -keep:] if keep else v_all
+            if i == last:
+                break  # the last layer's output feeds nothing: only its keys are kept
+            kpos = torch.arange(start + t - k_all.shape[1], start + t, device=ids.device)
+            mask = kpos[None, :] <= pos[:, None]
+            if shape.sliding:
+                mask &= kpos[None, :] > pos[:, None] - a.sliding_window
+            attn = layer.self_attn.attend(q, k_all[None], v_all[None], mask)
+            attn = attn.transpose(1, 2).reshape(1, t, -1)
+            scalar = self.model.encoder.language_model.layers[i].layer_scalar
+            x = layer.feed_forward(x, attn, scalar)
+        cache.length = start + t
+
+    @torch.no_grad()
+    def decode(
+        self,
+        canvas: torch.Tensor,
+        soft_logits: list[torch.Tensor | None],
+        caches: list[RowCache],
+    ) -> torch.Tensor:
+        """Float32 soft-capped logits [B, L, V] for canvases [B, L], each row over its own
+        cache (positions follow it), with its self-conditioning logits (None: none yet)."""
+        dec = self._decoder
+        b, length = canvas.shape
+        x = self._embed(canvas)
+        w = dec.embed_tokens.weight
+        soft = torch.zeros_like(x)
+        for r, logits in enumerate(soft_logits):
+            if logits is not None:
+                probs = logits.softmax(dim=-1, dtype=torch.float32).to(w.dtype)
+                scale = torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
+                soft[r] = torch.matmul(probs, w) * scale.to(x.dtype)
+        x = dec.self_conditioning(x, soft)
+        offsets = torch.tensor([c.length for c in caches], device=canvas.device)
+        pos = offsets[:, None] + torch.arange(length, device=canvas.device)[None]
+        for i, layer in enumerate(dec.layers):
+            cos, sin = self._rope(layer.self_attn.shape, pos, x.dtype)
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            rows = []
+            for r, cache in enumerate(caches):
+                ck, cv = cache.layer(i)
+                kr = torch.cat([ck, k[r]], 1) if ck is not None else k[r]
+                vr = torch.cat([cv, v[r]], 1) if cv is not None else v[r]
+                rows.append(layer.self_attn.attend(q[r : r + 1], kr[None], vr[None]))
+            attn = torch.cat(rows).transpose(1, 2).reshape(b, length, -1)
+            x = layer.feed_forward(x, attn, layer.layer_scalar)
+        h = dec.norm(x)
+        logits = F.linear(h, w).float()
+        cap = self.arch.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+TIED_PREFIXES = ("model.encoder.language_model.", "lm_head.")
+
+
+def drop_unused(state: dict[str, torch.Tensor], expected: set[str]) -> None:
+    """Remove the tensors this text-only model does not use: the vision tower (said once, in
+    the log) and tied copies of the decoder's weights some checkpoints store anyway."""
+    vision = [n for n in state if n.startswith(VISION_PREFIXES)]
+    if vision:
+        log.warning(
+            "DiffusionGemma: skipping the vision tower (%d tensors): this server runs the model "
+            "on text only; requests with images are refused",
+            len(vision),
+        )
+    for name in list(state):
+        if name not in expected and (name.startswith(VISION_PREFIXES + TIED_PREFIXES)):
+            del state[name]
+
+
+def is_diffusion_gemma(config: dict[str, Any]) -> bool:
+    archs = [str(a) for a in config.get("architectures") or []]
+    return str(config.get("model_type", "")) == MODEL_TYPE or ARCHITECTURE in archs
+
+
+__all__ = [
+    "ARCHITECTURE",
+    "DiffusionGemmaArch",
+    "DiffusionGemmaModel",
+    "RowCache",
+    "drop_unused",
+    "inv_frequencies",
+    "is_diffusion_gemma",
+]

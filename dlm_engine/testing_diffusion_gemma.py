@@ -1,0 +1,141 @@
+"""A tiny random DiffusionGemma checkpoint in the published layout, for tests.
+
+Written by transformers' own `DiffusionGemmaForBlockDiffusion.save_pretrained` (safetensors,
+published tensor names, the tiny vision tower included, as the published checkpoint carries
+one), with a `generation_config.json` holding the published decoding keys and a small
+character-level tokenizer in Gemma's special-token layout (pad 0, eos 1, bos 2) with a
+turn-based chat template. No network: the real Gemma tokenizer comes with the real checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+CHARS = [chr(i) for i in range(32, 127)] + ["\n"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{{ message['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+# The published decoding defaults' keys (DiffusionGemmaGenerationConfig); values for a tiny
+# canvas that stops early now and then.
+GENERATION_DEFAULTS: dict[str, Any] = {
+    "max_denoising_steps": 12,
+    "sampler_config": {"entropy_bound": 0.1, "_cls_name": "EntropyBoundSamplerConfig"},
+    "t_min": 0.4,
+    "t_max": 0.8,
+    "stability_threshold": 1,
+    "confidence_threshold": 0.005,
+}
+
+
+def build_gemma_char_tokenizer(out_dir: Path) -> dict[str, int]:
+    """Gemma's special ids first (pad 0, eos 1, bos 2), then one token per character."""
+    vocab = {s: i for i, s in enumerate(GEMMA_SPECIALS)}
+    for c in CHARS:
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in GEMMA_SPECIALS])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "mask_token": "<mask>",
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 4096,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    return {s: vocab[s] for s in GEMMA_SPECIALS} | {"vocab_size": len(vocab)}
+
+
+def tiny_config(vocab_size: int, canvas_length: int = 16, sliding_window: int = 6, **text: Any):
+    """A `DiffusionGemmaConfig` a few kilobytes big: 3 layers (sliding, sliding, full), 4
+    experts, GQA, a full-attention head twice the sliding one, k = v on full layers."""
+    from transformers import DiffusionGemmaConfig
+
+    text_config = {
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "global_head_dim": 16,
+        "num_global_key_value_heads": 1,
+        "sliding_window": sliding_window,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "num_experts": 4,
+        "top_k_experts": 2,
+        "moe_intermediate_size": 16,
+        "max_position_embeddings": 4096,
+        "use_bidirectional_attention": "vision",
+        **text,
+    }
+    vision_config = {
+        "model_type": "gemma4_vision",
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "patch_size": 4,
+        "position_embedding_size": 64,
+    }
+    return DiffusionGemmaConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        canvas_length=canvas_length,
+        architectures=["DiffusionGemmaForBlockDiffusion"],
+    )
+
+
+def make_tiny_diffusion_gemma(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    canvas_length: int = 16,
+    sliding_window: int = 6,
+    generation: dict[str, Any] | None = None,
+) -> Path:
+    """Write the checkpoint folder and return it. Weights are random but seeded, scaled up so
+    the tiny model's distributions are far from uniform (entropy-bound acceptance, early
+    stops and end-of-text all happen within a few canvases)."""
+    import torch
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    out = Path(out_dir)
+    ids = build_gemma_char_tokenizer(out)
+    config = tiny_config(ids["vocab_size"], canvas_length, sliding_window)
+    config.pad_token_id, config.eos_token_id, config.bos_token_id = 0, 1, 2
+    torch.manual_seed(seed)
+    model = DiffusionGemmaForBlockDiffusion(config).eval()
+    with torch.no_grad():
+        embed = model.model.decoder.embed_tokens.weight
+        embed.normal_(0.0, 1.0)
+        for name, p in model.named_parameters():
+            if "layers" in name and ("proj" in name or "experts" in name):
+                p.mul_(6.0)
+    model.save_pretrained(str(out), safe_serialization=True)
+    gen = {
+        **GENERATION_DEFAULTS,
+        **(generation or {}),
+        "bos_token_id": 2,
+        "pad_token_id": 0,
+        "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
+    }
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return out

@@ -1,0 +1,175 @@
+"""DiffusionGemma: our loader, model and sampler against transformers' own implementation.
+
+The oracle is `DiffusionGemmaForBlockDiffusion.generate` on a tiny random checkpoint written
+by transformers itself (dlm_engine/testing_diffusion_gemma.py), batch 1, CPU float32, after
+`torch.manual_seed(seed)`. Its output pads everything after the first end-of-text id; ours
+stops there, so tokens are compared up to and including that id.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dlm_engine.decoding.uniform_diffusion import (
+    UniformSettings,
+    accepted_mask,
+    generate,
+    make_rows,
+    run_rows,
+)
+from dlm_engine.loader import load_checkpoint
+from dlm_engine.models.diffusion_gemma import DiffusionGemmaModel
+from dlm_engine.testing_diffusion_gemma import make_tiny_diffusion_gemma
+
+transformers = pytest.importorskip("transformers")
+
+CANVAS = 16
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return make_tiny_diffusion_gemma(tmp_path_factory.mktemp("dg"), canvas_length=CANVAS)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    return DiffusionGemmaForBlockDiffusion.from_pretrained(str(ckpt)).eval()
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpt):
+    return load_checkpoint(ckpt, dtype="float32")
+
+
+def _prompt(loaded, text: str) -> list[int]:
+    tok = loaded.tokenizer
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    return tok.encode(chat, add_special_tokens=False)
+
+
+def _settings(gen: dict, max_tokens: int, **over) -> UniformSettings:
+    return UniformSettings(
+        steps=over.get("max_denoising_steps", gen["max_denoising_steps"]),
+        t_min=over.get("t_min", gen["t_min"]),
+        t_max=over.get("t_max", gen["t_max"]),
+        entropy_bound=over.get("entropy_bound", gen["sampler_config"]["entropy_bound"]),
+        stability_threshold=over.get("stability_threshold", gen["stability_threshold"]),
+        stop_entropy=over.get("confidence_threshold", gen["confidence_threshold"]),
+        canvases=-(-max_tokens // CANVAS),
+    )
+
+
+def _reference_tokens(reference, prompt, seed, max_tokens, **over) -> tuple[list[int], float]:
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+        EntropyBoundSamplerConfig,
+    )
+
+    kwargs = dict(over)
+    if "entropy_bound" in kwargs:
+        kwargs["sampler_config"] = EntropyBoundSamplerConfig(kwargs.pop("entropy_bound"))
+    torch.manual_seed(seed)
+    out = reference.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, **kwargs)
+    return out.sequences[0, len(prompt) :].tolist(), float(out.tokens_per_forward[0])
+
+
+def _upto_stop(tokens: list[int], stops: list[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return tokens[: i + 1]
+    return tokens
+
+
+CASES = [
+    # (prompt, seed, max_tokens, overrides of the checkpoint's generation_config)
+    ("hi there", 0, 16, {}),
+    ("hi there", 1, 40, {}),
+    ("What is 12 + 7? Answer briefly, please.", 3, 48, {}),  # prompt beyond the window
+    ("sort 4 2 9", 5, 64, {"confidence_threshold": 2.5, "stability_threshold": 1}),
+    ("sort 4 2 9", 6, 64, {"confidence_threshold": 0.3, "stability_threshold": 0}),  # early
+    ("abc", 7, 32, {"confidence_threshold": 0.5, "stability_threshold": 0, "entropy_bound": 1.5}),
+    ("abc", 9, 32, {"confidence_threshold": 2.5, "stability_threshold": 2, "entropy_bound": 1.5}),
+    ("abc", 8, 32, {"max_denoising_steps": 5, "t_min": 0.1, "t_max": 1.2}),
+]
+
+
+@pytest.mark.parametrize(("text", "seed", "max_tokens", "over"), CASES)
+def test_tokens_equal_transformers_generate(reference, loaded, text, seed, max_tokens, over):
+    gen = json.loads((loaded.path / "generation_config.json").read_text())
+    prompt = _prompt(loaded, text)
+    want, _ = _reference_tokens(reference, prompt, seed, max_tokens, **over)
+    got = generate(
+        loaded.model, [prompt], [_settings(gen, max_tokens, **over)], [seed], gen["eos_token_id"]
+    )[0]
+    stops = gen["eos_token_id"]
+    assert _upto_stop(got, stops) == _upto_stop(want, stops)
+    assert len(want) % CANVAS == 0 and len(got) == len(want)  # same number of canvases
+
+
+def test_adaptive_stopping_ends_a_canvas_early_as_the_reference(reference, loaded):
+    """One canvas stopped by the stable-and-confident rule before the step cap: the same
+    tokens and the same number of decoder forwards as the reference."""
+    gen = json.loads((loaded.path / "generation_config.json").read_text())
+    prompt = _prompt(loaded, "sort 4 2 9")
+    over = {"confidence_threshold": 0.3, "stability_threshold": 0}
+    want, tokens_per_forward = _reference_tokens(reference, prompt, 5, CANVAS, **over)
+    rows = make_rows(loaded.model, [prompt], [_settings(gen, CANVAS, **over)], [5], [])
+    got = run_rows(loaded.model, rows)[0]
+    assert got == want
+    assert rows[0].forwards < gen["max_denoising_steps"]
+    assert rows[0].forwards == round(CANVAS / tokens_per_forward)
+
+
+def test_batched_rows_equal_each_alone(loaded):
+    gen = json.loads((loaded.path / "generation_config.json").read_text())
+    rows = [
+        (_prompt(loaded, "hi there"), 1, _settings(gen, 40)),
+        (_prompt(loaded, "What is 12 + 7? Answer briefly."), 3, _settings(gen, 48)),
+        (
+            _prompt(loaded, "abc"),
+            8,
+            _settings(gen, 32, max_denoising_steps=5, confidence_threshold=0.5),
+        ),
+        (
+            _prompt(loaded, "sort 4 2 9"),
+            6,
+            _settings(gen, 64, confidence_threshold=0.3, stability_threshold=0),
+        ),
+    ]
+    stops = gen["eos_token_id"]
+    alone = [generate(loaded.model, [p], [s], [seed], stops)[0] for p, seed, s in rows]
+    together = generate(
+        loaded.model, [r[0] for r in rows], [r[2] for r in rows], [r[1] for r in rows], stops
+    )
+    assert together == alone
+
+
+def test_loader_reads_the_published_layout(loaded, ckpt):
+    assert isinstance(loaded.model, DiffusionGemmaModel)
+    assert loaded.family.name == "diffusion_gemma"
+    assert loaded.model.canvas_length == CANVAS
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["architectures"] == ["DiffusionGemmaForBlockDiffusion"]
+    assert loaded.mask_id == -1  # uniform-state diffusion has no mask token
+    assert {1, 6} <= set(loaded.stop_ids)
+
+
+def test_vision_tower_skipped_with_a_message(ckpt, caplog):
+    with caplog.at_level("WARNING"):
+        load_checkpoint(ckpt, dtype="float32")
+    assert any("vision tower" in r.getMessage() for r in caplog.records)
+
+
+def test_entropy_bound_acceptance_rule():
+    entropy = torch.tensor([[0.05, 0.5, 0.02, 0.04, 2.0]])
+    # sorted 0.02, 0.04, 0.05, 0.5, 2.0: cumsum - value = 0, .02, .06, .11, .61
+    assert accepted_mask(entropy, 0.1).tolist() == [[True, False, True, True, False]]
+    assert accepted_mask(entropy, 0.2).tolist() == [[True, True, True, True, False]]
+    assert accepted_mask(entropy, 1e-9).tolist() == [[False, False, True, False, False]]
