@@ -29,6 +29,7 @@ import llguidance
 
 from dlm_protocol.structure_shapes import json_value
 
+from .decoding.constraint_limits import check_schema, schema_patterns
 from .decoding.grammar import MAX_CONSTRAINT_CHARS, Constraint
 from .errors import InvalidRequestError
 
@@ -106,10 +107,12 @@ def tool_constraint(spec: ToolSpec) -> Constraint | None:
     if not spec.constrained:
         return None
     tools = [t for t in spec.tools if spec.name is None or t["function"]["name"] == spec.name]
-    rules = []
+    rules, patterns = [], ()
     for i, tool in enumerate(tools):
         fn = tool["function"]
         schema = dict(fn.get("parameters") or {"type": "object"})
+        check_schema("tools", schema)  # nesting and $refs, before llguidance compiles it
+        patterns += schema_patterns(schema)
         schema["x-guidance"] = {**_JSON_LAYOUT, **schema.get("x-guidance", {})}
         head = f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(fn["name"])}, "arguments": '
         tail = f"}}\n{TOOL_CALL_CLOSE}"
@@ -122,7 +125,7 @@ def tool_constraint(spec: ToolSpec) -> Constraint | None:
         grammar = llguidance.LLMatcher.grammar_from_lark(lark)
     except Exception as exc:  # llguidance names what it could not compile
         raise InvalidRequestError("tools", f"cannot compile the parameters: {exc}") from None
-    return Constraint("tools", "tool_calls", grammar)
+    return Constraint("tools", "tool_calls", grammar, patterns=patterns)
 
 
 # ---- the prompt ------------------------------------------------------------------------------

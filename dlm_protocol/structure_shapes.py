@@ -7,6 +7,23 @@ from __future__ import annotations
 import json
 from typing import Any
 
+# JSON nesting of a schema value (`response_format`, `tools`): deeper values are refused before
+# anything recursive (repr, json.dumps, llguidance's compiler) reads them
+MAX_NESTING = 64
+_TOO_DEEP = f"nested more than {MAX_NESTING} levels deep"
+
+
+def nesting_exceeds(value: Any, limit: int = MAX_NESTING) -> bool:
+    """Is `value` (dicts and lists) nested deeper than `limit`? Iterative: any depth is safe."""
+    todo = [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, dict | list):
+            if depth > limit:
+                return True
+            todo.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return False
+
 
 def response_format(value: Any) -> str | None:
     """OpenAI's object (or the same as a JSON string); its `type` and `json_schema` are checked
@@ -16,8 +33,12 @@ def response_format(value: Any) -> str | None:
             value = json.loads(value)
         except json.JSONDecodeError:
             return "must be an object {type: text | json_object | json_schema} or its JSON"
+        except RecursionError:
+            return _TOO_DEEP
     if not isinstance(value, dict):
         return "must be an object {type: text | json_object | json_schema}"
+    if nesting_exceeds(value):
+        return _TOO_DEEP
     return None
 
 
@@ -42,7 +63,7 @@ def json_value(value: Any) -> Any:
     if isinstance(value, str):
         try:
             return json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return value
     return value
 
@@ -52,6 +73,8 @@ def tools(value: Any) -> str | None:
     value = json_value(value)
     if not isinstance(value, list):
         return "must be a list of {type: function, function: {name, parameters}}"
+    if nesting_exceeds(value):
+        return _TOO_DEEP
     for i, tool in enumerate(value):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):

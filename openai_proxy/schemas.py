@@ -191,7 +191,9 @@ class _RequestBase(_ContractFields):
         if isinstance(data, dict):
             for canonical, names in ALIASES.items():
                 given = {name: data[name] for name in names if name in data}
-                if len({repr(v) for v in given.values()}) > 1:
+                # repr only where two names are given: a deep value (a schema) is checked
+                # for its depth by the contract, and repr of it would recurse first
+                if len(given) > 1 and len({repr(v) for v in given.values()}) > 1:
                     raise InvalidRequestError(canonical, conflict_reason(canonical, given))
                 if len(given) > 1:  # same value twice: keep one, or the rest reads as extra
                     data = {k: v for k, v in data.items() if k not in given}

@@ -9,13 +9,18 @@ after the tokens before it. The committed canvas is therefore always a prefix th
 accepted; once the structure is complete only end-of-text is allowed, which ends the row.
 
 Work split: the first position's allowed-token bitmask depends only on the prefix committed
-before the step, so it is filled on the CPU while the GPU runs the forward; later positions
-need the token just chosen (one small device-to-host copy per position). Rows without a
-constraint are never touched here.
+before the step, so it is filled on a mask thread (`guarded.py`; llguidance releases the GIL)
+started before the forward and collected after it; later positions need the token just chosen
+(one small device-to-host copy per position). Rows without a constraint are never touched here.
+
+A matcher that fails mid-generation (one of llguidance's per-step limits, `constraint_limits.py`)
+fails its own row only, with a message naming the field and no parser internals; the other rows
+commit as usual.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +30,8 @@ import numpy as np
 import torch
 
 from ..reference import top_k_logits, top_p_logits
+from . import guarded
+from .constraint_limits import first_line
 
 if TYPE_CHECKING:
     from ..sequence import Sequence
@@ -36,18 +43,27 @@ _CLOSING_CHARS = frozenset('"}])')
 class RowConstraint:
     """One request's matcher plus how much of its canvas is reserved for closing."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, max_tokens: int) -> None:
+    def __init__(
+        self, matcher: llguidance.LLMatcher, max_tokens: int, field: str = "response_format"
+    ) -> None:
         self.matcher = matcher
+        self.field = field  # the request field the constraint came from, for errors
         # In the last quarter of the canvas the row prefers tokens that close the structure
         # (end-of-text, then `"`, `}`, `]`, then `,`), among those the grammar allows: a model that
         # has not learned to close a string or an object still finishes inside its budget.
         self.reserve = max(8, max_tokens // 4)
 
-    def consume(self, token: int) -> None:
-        if not self.matcher.consume_token(token):
-            raise RuntimeError(
-                f"grammar matcher rejected token {token}: {self.matcher.get_error()}"
-            )
+    def consume(self, token: int) -> bool:
+        """Advance past `token`; False once the matcher is in error (see `failure`)."""
+        return self.matcher.consume_token(token) and not self.matcher.is_error()
+
+    def failure(self) -> str:
+        """The row's error once its matcher failed: the request's fault (400 class), no
+        parser state."""
+        return (
+            f"invalid request: {self.field}: the constraint could not be enforced at this point "
+            f"of the output ({first_line(self.matcher.get_error())}); simplify it"
+        )
 
 
 class ConstraintRuntime:
@@ -109,20 +125,30 @@ class ConstrainedStep:
                 budget, thr = min(s.transfer_count(), s.masks_in_block), None
             self.rows.append(_Row(i, s, first, budget, thr))
         self.bitmask = llnp.allocate_token_bitmask(max(1, len(self.rows)), runtime.mask_vocab)
-        self._filled = False
+        self.failed: dict[int, str] = {}  # batch row -> error: rows whose matcher failed
+        self._slot: dict[int, int] = {}  # batch row -> its mask's row in `bitmask`
+        self._first: Future[None] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.rows)
 
     def prepare(self) -> None:
-        """Fill the first position's masks (CPU); call right after the forward is queued."""
-        self._fill([r for r in self.rows if r.budget > 0])
-        self._filled = True
+        """Start filling the first position's masks on the mask thread; call before the
+        forward (the masks need only the prefix committed before this step)."""
+        self._first = guarded.submit_mask(self._fill, [r for r in self.rows if r.budget > 0])
 
     def _fill(self, rows: list[_Row]) -> None:
+        self._slot = {r.index: slot for slot, r in enumerate(rows)}
         for slot, r in enumerate(rows):
-            llnp.fill_next_token_bitmask(r.seq.constraint.matcher, self.bitmask, slot)
+            matcher = r.seq.constraint.matcher
+            llnp.fill_next_token_bitmask(matcher, self.bitmask, slot)
+            if matcher.is_error():
+                self._fail(r)
             self._allow_all_stops(slot)
+
+    def _fail(self, r: _Row) -> None:
+        r.done = True
+        self.failed.setdefault(r.index, r.seq.constraint.failure())
 
     def _allow_all_stops(self, slot: int) -> None:
         """The matcher allows "end" as the tokenizer's EOS; any stop id of the model ends."""
@@ -140,10 +166,13 @@ class ConstrainedStep:
         j = 0
         while True:
             active = [r for r in self.rows if not r.done and j < r.budget]
+            if j == 0 and self._first is not None:
+                self._first.result()  # the masks started before the forward
+            elif active:
+                self._fill(active)
+            active = [r for r in active if not r.done]  # a row whose matcher failed is out
             if not active:
                 return out
-            if j > 0 or not self._filled:
-                self._fill(active)
             tokens, probs = self._choose(logits, active, j)
             for slot, r in enumerate(active):
                 tok, p = tokens[slot], probs[slot]
@@ -153,8 +182,8 @@ class ConstrainedStep:
                 out[r.index].append(tok)
                 if tok in self.rt.stop_ids:  # allowed only where the structure may end
                     r.done = True
-                else:
-                    r.seq.constraint.consume(tok)
+                elif not r.seq.constraint.consume(tok):
+                    self._fail(r)
             j += 1
 
     def _choose(
@@ -168,7 +197,8 @@ class ConstrainedStep:
         temps = [r.seq.params.temperature for r in active]
         if any(t > 0 for t in temps):
             lg = lg / torch.tensor([t if t > 0 else 1.0 for t in temps], device=dev)[:, None]
-        words = torch.from_numpy(self.bitmask[:n]).to(dev)
+        slots = [self._slot[r.index] for r in active]
+        words = torch.from_numpy(self.bitmask[slots]).to(dev)
         bits = (words[:, :, None] >> torch.arange(32, device=dev, dtype=torch.int32)) & 1
         allowed = bits.reshape(n, -1)[:, : lg.shape[1]].bool()
         if allowed.shape[1] < lg.shape[1]:  # model rows beyond the tokenizer: never allowed

@@ -6,20 +6,31 @@ nothing here parses JSON schemas or regexes itself. `compile_constraint` turns t
 `response_format` / `regex` / `choice` / `grammar` value into one llguidance grammar, checks it
 against the model's tokenizer and raises `InvalidRequestError` naming the field on anything
 unsupported or unsatisfiable.
+
+Compiling is bounded (`constraint_limits.py`): shape limits before llguidance sees the value,
+llguidance's own limits, and a measured per-token cost; the compile itself runs on a thread with
+a large stack (`guarded.py`), so no grammar can overflow the native stack of the model process.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import llguidance
 import llguidance.hf
+import llguidance.numpy as llnp
+import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 
 from ..errors import InvalidRequestError
+from . import constraint_limits as limits
+from . import guarded
 
 CONSTRAINT_KEYS = ("response_format", "regex", "choice", "grammar")
 # JSON output is compact (no free whitespace): a model cannot pad an answer with spaces forever.
@@ -35,6 +46,7 @@ class Constraint:
     kind: str  # json_object | json_schema | regex | choice | grammar
     grammar: str
     schema: dict[str, Any] | None = None
+    patterns: tuple[str, ...] = ()  # the schema's regexes, walked on their own at validation
 
 
 def coerce_value(name: str, value: Any) -> Any:
@@ -62,6 +74,7 @@ def parse_constraint(raw: dict[str, Any]) -> Constraint | None:
         raise InvalidRequestError(given[1], f"give only one of {', '.join(CONSTRAINT_KEYS)}")
     key = given[0]
     value = raw[key]
+    limits.check_value(key, value)  # before json.dumps, which recurses
     if len(json.dumps(value, default=str)) > MAX_CONSTRAINT_CHARS:
         raise InvalidRequestError(key, f"longer than {MAX_CONSTRAINT_CHARS} characters")
     try:
@@ -86,15 +99,19 @@ def parse_constraint(raw: dict[str, Any]) -> Constraint | None:
 
 def _lark(text: str) -> str:
     """Lark as given; GBNF (`root ::= ...`) converted by llguidance's own converter."""
+    limits.check_lark(text)
     try:
-        return any_to_lark(text)
+        lark = any_to_lark(text)
     except Exception as exc:
         raise InvalidRequestError("grammar", f"cannot read as Lark or GBNF: {exc}") from None
+    limits.check_lark(lark)
+    return lark
 
 
 def _choice(value: Any) -> Constraint:
     if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
         raise InvalidRequestError("choice", "must be a non-empty list of non-empty strings")
+    limits.check_choice(value)
     body = " | ".join(json.dumps(c) for c in value)
     return Constraint("choice", "choice", llguidance.LLMatcher.grammar_from_lark(f"start: {body}"))
 
@@ -118,11 +135,12 @@ def _response_format(value: Any) -> Constraint | None:
     schema = spec.get("schema", {"type": "object"})
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"{field}.json_schema.schema", "must be a JSON schema object")
+    limits.check_schema(f"{field}.json_schema.schema", schema)
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)
     except Exception as exc:
         raise InvalidRequestError(f"{field}.json_schema.schema", str(exc)) from None
-    return Constraint(field, "json_schema", grammar, schema)
+    return Constraint(field, "json_schema", grammar, schema, limits.schema_patterns(schema))
 
 
 def error_field(c: Constraint) -> str:
@@ -168,26 +186,127 @@ class _DecodedVocab:
         return self._hf.encode(text, add_special_tokens=False)
 
 
+@dataclass(frozen=True)
+class Compiled:
+    """A grammar compiled for one tokenizer: its pristine matcher (rows get copies) and the
+    mean CPU time a token cost on the probe walk."""
+
+    matcher: llguidance.LLMatcher
+    token_ms: float
+
+
 class GrammarCompiler:
-    """llguidance's view of one model's tokenizer, made once and shared by all requests."""
+    """llguidance's view of one model's tokenizer, made once and shared by all requests.
+
+    Compiled grammars (and refusals) are kept by grammar text: the `n` requests of a fan-out,
+    and a request's check and its row, compile once."""
+
+    CACHE = 64
 
     def __init__(self, hf_tokenizer: Any, model_vocab: int, eos_id: int) -> None:
         self.vocab = model_vocab
         self.eos_id = eos_id
         self.ll_tokenizer = ll_tokenizer(hf_tokenizer, model_vocab, eos_id)
         self._lock = threading.Lock()
+        self._cache: OrderedDict[str, Compiled | InvalidRequestError] = OrderedDict()
 
-    def check(self, c: Constraint) -> None:
-        """Raise `InvalidRequestError` (naming the field) if the grammar fails to compile for
-        this tokenizer, e.g. an unsupported schema keyword or an empty language."""
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            c.grammar, self.ll_tokenizer
-        )
-        if is_error:
-            raise InvalidRequestError(error_field(c), "; ".join(messages) or "invalid grammar")
-        matcher = self.matcher(c)
-        if matcher.is_error():
-            raise InvalidRequestError(error_field(c), matcher.get_error())
+    def check(self, c: Constraint, tokens_per_step: int = 1) -> Compiled:
+        """The compiled grammar; raises `InvalidRequestError` naming the field if it fails to
+        compile for this tokenizer (an unsupported schema keyword, an empty language, a limit),
+        fails on its first tokens, or costs more CPU a token (times `tokens_per_step`) than
+        the budget."""
+        compiled = self.compiled(c)
+        step_ms = compiled.token_ms * tokens_per_step
+        if tokens_per_step > 1 and step_ms > limits.STEP_BUDGET_MS:
+            raise InvalidRequestError(
+                error_field(c),
+                f"costs {compiled.token_ms:.2f} ms of CPU a token to enforce; at "
+                f"{tokens_per_step} tokens a step that is {step_ms:.1f} ms, over this "
+                f"server's budget of {limits.STEP_BUDGET_MS:g} ms a step: use more steps, "
+                "no threshold, or a simpler constraint",
+            )
+        return compiled
+
+    def compiled(self, c: Constraint) -> Compiled:
+        with self._lock:
+            found = self._cache.get(c.grammar)
+            if found is not None:
+                self._cache.move_to_end(c.grammar)
+        if found is None:
+            try:
+                found = guarded.run(self._compile, c)
+            except InvalidRequestError as exc:
+                found = exc
+            with self._lock:
+                self._cache[c.grammar] = found
+                while len(self._cache) > self.CACHE:
+                    self._cache.popitem(last=False)
+        if isinstance(found, InvalidRequestError):
+            raise InvalidRequestError(found.field, found.reason)
+        return found
 
     def matcher(self, c: Constraint) -> llguidance.LLMatcher:
-        return llguidance.LLMatcher(self.ll_tokenizer, c.grammar, log_level=0)
+        """A fresh matcher for one row (a copy of the compiled one: microseconds)."""
+        return self.compiled(c).matcher.deep_copy()
+
+    def _compile(self, c: Constraint) -> Compiled:
+        """Compile and walk the first tokens (on a guarded thread)."""
+        field = error_field(c)
+        matcher = llguidance.LLMatcher(
+            self.ll_tokenizer, c.grammar, log_level=0, limits=limits.PARSER_LIMITS
+        )
+        if matcher.is_error():
+            raise InvalidRequestError(field, limits.first_line(matcher.get_error()))
+        for pattern in c.patterns:
+            self._check_pattern(field, pattern)
+        return Compiled(matcher, self._probe(field, matcher.deep_copy()))
+
+    def _check_pattern(self, field: str, pattern: str) -> None:
+        """One `pattern` of the schema as a JSON string of its own: compiled and walked (its
+        lexer is built on its first mask, where the whole schema's walk may never go)."""
+        schema = {"type": "string", "pattern": pattern}
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)
+        matcher = llguidance.LLMatcher(
+            self.ll_tokenizer, grammar, log_level=0, limits=limits.PARSER_LIMITS
+        )
+        try:
+            if matcher.is_error():
+                raise InvalidRequestError(field, limits.first_line(matcher.get_error()))
+            self._probe(field, matcher)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(field, f"pattern {pattern[:60]!r}: {exc.reason}") from None
+
+    def _probe(self, field: str, matcher: llguidance.LLMatcher) -> float:
+        """Walk up to `PROBE_TOKENS` tokens (random allowed ones, fixed seed), timing each mask
+        and consume in thread CPU time (a busy machine's waits do not count); raise on a
+        failure or when the mean is over the budget. Returns the mean in ms."""
+        rng = random.Random(0)
+        bitmask = llnp.allocate_token_bitmask(1, self.ll_tokenizer.vocab_size)
+        budget_s = limits.TOKEN_BUDGET_MS / 1e3
+        spent, tokens = 0.0, 0
+        for _ in range(limits.PROBE_TOKENS):
+            t0 = time.thread_time()
+            llnp.fill_next_token_bitmask(matcher, bitmask, 0)
+            if matcher.is_error():
+                break
+            allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little"))
+            allowed = allowed[(allowed != self.eos_id) & (allowed < self.vocab)]
+            if len(allowed):
+                matcher.consume_token(int(rng.choice(allowed)))
+            spent += time.thread_time() - t0
+            tokens += 1
+            if not len(allowed) or matcher.is_error() or spent > budget_s * limits.PROBE_TOKENS:
+                break
+        if matcher.is_error():
+            raise InvalidRequestError(
+                field, f"cannot be enforced: {limits.first_line(matcher.get_error())}"
+            )
+        mean_ms = spent / max(tokens, 1) * 1e3
+        if mean_ms > limits.TOKEN_BUDGET_MS:
+            raise InvalidRequestError(
+                field,
+                f"costs {mean_ms:.1f} ms of CPU a token to enforce, over this server's budget "
+                f"of {limits.TOKEN_BUDGET_MS:g} ms: simplify it (smaller counted repetitions, "
+                "fewer alternatives or rules)",
+            )
+        return mean_ms

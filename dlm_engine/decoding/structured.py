@@ -7,12 +7,13 @@ constrained request, so servers that never see one pay nothing.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
 from ..sampling_params import ResolvedParams
 from .constraints import ConstraintRuntime, RowConstraint
-from .grammar import GrammarCompiler
+from .grammar import GrammarCompiler, error_field
 
 
 class StructuredOutput:
@@ -32,9 +33,10 @@ class StructuredOutput:
             return self._compiler
 
     def check(self, params: ResolvedParams) -> ResolvedParams:
-        """Raise `InvalidRequestError` naming the field if the constraint cannot be served."""
+        """Raise `InvalidRequestError` naming the field if the constraint cannot be served
+        (compiled here, on the request's thread, so the row starts with it ready)."""
         if params.constraint is not None:
-            self.compiler().check(params.constraint)
+            self.compiler().check(params.constraint, tokens_per_step(params))
         return params
 
     def row_constraint(self, params: ResolvedParams) -> RowConstraint | None:
@@ -52,4 +54,14 @@ class StructuredOutput:
                 lm.device,
                 mask_vocab=compiler.ll_tokenizer.vocab_size,
             )
-        return RowConstraint(compiler.matcher(params.constraint), params.max_tokens)
+        return RowConstraint(
+            compiler.matcher(params.constraint), params.max_tokens, error_field(params.constraint)
+        )
+
+
+def tokens_per_step(p: ResolvedParams) -> int:
+    """The most tokens a constrained row commits in one step: its block in threshold mode
+    (while confident) and with Dream's `origin`, else its schedule's share of the block."""
+    if p.threshold is not None or p.algorithm == "origin" or p.accel.multi_block:
+        return p.block_length
+    return math.ceil(p.block_length / max(1, p.steps_per_block))
