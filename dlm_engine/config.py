@@ -21,7 +21,7 @@ class EngineConfig:
     max_prompt: int = limits.MAX_PROMPT  # prompt tokens ceiling
     max_queue: int = limits.MAX_QUEUE  # waiting requests beyond the running rows
     max_step_tokens: int = 65536  # prompt + canvas tokens of all rows in one forward
-    default_max_tokens: int = limits.DEFAULT_MAX_TOKENS
+    default_max_tokens: int = limits.DEFAULT_MAX_TOKENS  # 0: the checkpoint's published length
     # steps a waiting cached row may be held so it joins when the running cached rows refresh
     # (one forward per step instead of a refresh plus a span forward); 0 admits at once
     phase_wait_steps: int = 8
@@ -73,11 +73,11 @@ class EngineConfig:
             "max_prompt",
             "max_queue",
             "max_step_tokens",
-            "default_max_tokens",
         ):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1")
         for name in (
+            "default_max_tokens",
             "kv_cache_tokens",
             "prefix_cache_tokens",
             "phase_wait_steps",

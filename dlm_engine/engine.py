@@ -19,6 +19,7 @@ import torch
 from dlm_protocol.response import CHAT_ROLES, FINISH_TOOL_CALLS
 
 from .config import EngineConfig
+from .decoding.checkpoint_defaults import generation_length
 from .decoding.logit_bias import check_vocab
 from .decoding.logprobs import LogprobStream, TokenTexts
 from .decoding.structured import StructuredOutput
@@ -85,6 +86,11 @@ class Engine:
         self.mask_token = lm.tokenizer.convert_ids_to_tokens(lm.mask_id)
         self.structured = StructuredOutput(lm, self.runner)  # grammar-constrained rows
         self.prompt_byte_cap = prompt_byte_cap(lm.tokenizer, config.max_prompt)
+        # max_tokens of a request that names none: the server's, else the checkpoint's published
+        # generation length (capped by max_canvas where it is used)
+        self.default_max_tokens = config.default_max_tokens or generation_length(
+            lm.path, lm.family.name
+        )
         # issue 16: a block-diffusion model's trained block (SDAR config `block_size`); 0 = not
         self.model_block = (
             int(lm.config.get("block_size") or lm.family.default_block_length)
@@ -207,7 +213,7 @@ class Engine:
             default_algorithm=self.family.default_algorithm,
             uses_blocks=self.family.uses_blocks_by_default,
             max_canvas=self.config.max_canvas,
-            default_max_tokens=self.config.default_max_tokens,
+            default_max_tokens=self.default_max_tokens,
             model_defaults=self.loaded.decoding_defaults,
             model_block=self.model_block,
         )

@@ -18,6 +18,8 @@ from safetensors.torch import save_file
 from .models import DREAM, LLADA, LLADA2, SDAR, Family, build_model
 from .tokenizer_build import build_char_tokenizer, vocab_size_for
 
+# max_tokens of tiny checkpoints' requests that name none (their generation_config.json)
+TINY_GENERATION_LENGTH = 64
 SAMPLE_PROMPTS = [
     "Hello there, what is 2+2?",
     "Sort: 5 3 9 1",
@@ -206,6 +208,9 @@ def _generation_config(fam: Family, cfg: dict[str, Any], ids: dict[str, int]) ->
         gen["mask_token_id"] = cfg["mask_token_id"]
     if fam is SDAR:  # as published: end of turn first, then end of text
         gen["eos_token_id"] = [ids["<|im_end|>"], eos]
+    # what the tests' requests without max_tokens were written for (the families publish
+    # longer answers: decoding/checkpoint_defaults.py)
+    gen["max_new_tokens"] = TINY_GENERATION_LENGTH
     return gen
 
 

@@ -271,7 +271,9 @@ PARAMS: tuple[Param, ...] = (
         "max_tokens",
         INT,
         "Canvas length: tokens generated at most.",
-        default_doc="64 (at most the model's `max_canvas`)",
+        default_doc="the model's published generation length: its generation_config.json "
+        "`max_new_tokens`, else LLaDA 128, Dream 512, SDAR 128, LLaDA2 512 (tiny-dlm, tiny-sdar "
+        "64); at most the model's `max_canvas`",
         minimum=1,
         aliases=("max_new_tokens", "gen_length", "max_completion_tokens"),
         relations="at most the model's `max_canvas` (tiny-dlm 512, 8B models 1024); "
@@ -788,7 +790,7 @@ BIAS_PARAMS = (
         relations=f"ids below the model's vocabulary size; at most {logit_bias.MAX_ENTRIES} "
         "entries; not with scoring",
         openai=True,
-        examples=({"42": -100}, {"x": 1}),
+        examples=({"42": -100}, "x"),
         shape=logit_bias.shape,
     ),
 )

@@ -19,6 +19,7 @@ A request's own keys always win (see `sampling_params.apply_model_defaults`).
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -74,3 +75,27 @@ def write_d3llm_card(out: Path, family: str) -> None:
         "---\nlicense: apache-2.0\npipeline_tag: text-generation\ntags:\n- diffusion\n"
         f"- fast-inference\n- d3llm\n- {family}\n---\n# d3LLM-{base}\n",
     )
+
+
+# ---- max_tokens when a request names none: the generation length each family publishes ----
+# LLaDA chat.py: gen_length 128; Dream's README: max_new_tokens 512 (its generation_config.json
+# holds steps 512, no length); SDAR generate.py: gen_length 128; LLaDA2.0's model card:
+# gen_length 512. A checkpoint's own generation_config.json (`max_new_tokens`, or LLaDA's
+# `gen_length` name) wins; the embedded tiny models carry 64 there.
+GENERATION_LENGTHS = {"llada": 128, "dream": 512, "sdar": 128, "llada2": 512}
+FALLBACK_GENERATION_LENGTH = 128
+_LENGTH_KEYS = ("max_new_tokens", "gen_length")
+
+
+def generation_length(path: Path, family: str) -> int:
+    """The checkpoint's published answer length: its generation config's, else its family's."""
+    gen_file = Path(path) / "generation_config.json"
+    try:
+        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    except (OSError, ValueError):
+        gen = {}
+    for key in _LENGTH_KEYS:
+        value = gen.get(key) if isinstance(gen, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return GENERATION_LENGTHS.get(family, FALLBACK_GENERATION_LENGTH)

@@ -323,6 +323,7 @@ def save(
         gen["pad_token_id"] = sp.eos
     else:
         gen = {"bos_token_id": sp.bos, "eos_token_id": sp.eos, "pad_token_id": sp.eos}
+    gen["max_new_tokens"] = 64  # answers of the training tasks fit; the default max_tokens
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
