@@ -18,9 +18,9 @@ from dlm_engine.engine import Engine
 from dlm_engine.errors import InvalidRequestError
 from dlm_engine.prefix_cache import page_hashes
 from dlm_triton.procs import free_port
-from openai_proxy import tenancy
+from openai_proxy import security, tenancy
 from openai_proxy.app import create_app
-from openai_proxy.config import ProxyConfig
+from openai_proxy.config import ProxyConfig, config_from_args
 from openai_proxy.converters import ChoiceResult, TritonJob, usage_of
 from openai_proxy.routers import chat, completions
 
@@ -189,3 +189,16 @@ def test_a_tenant_reads_no_counters_no_details_and_no_docs(tmp_path: Path) -> No
     with TestClient(create_app(cfg())) as c:  # no keys: the schema, still no CDN pages
         assert c.get("/openapi.json").status_code == 200
         assert c.get("/docs").status_code == 404 and c.get("/redoc").status_code == 404
+
+
+def test_admin_keys_from_flags_env_and_a_file(tmp_path: Path) -> None:
+    keys = tmp_path / "admin_keys"
+    keys.write_text("# operators\nops-1\nops-2  # rotated\n")
+    env = {"DLM_PROXY_ADMIN_KEYS_FILE": str(keys), "DLM_PROXY_SHARE_PREFIX_CACHE": "1"}
+    c = config_from_args(["--admin-key", "ops-3"], env)
+    assert (c.admin_keys, c.share_prefix_cache) == (["ops-3"], True)
+    assert security.admin_keys(c) == [b"ops-3", b"ops-1", b"ops-2"]
+    assert config_from_args(["--share-prefix-cache"], {}).share_prefix_cache
+    assert not config_from_args([], {}).share_prefix_cache  # per key by default
+    with pytest.raises(ValueError, match="does not exist"):  # refused at start, not per request
+        security.check_exposure(cfg(admin_keys_file=str(tmp_path / "absent")))
