@@ -145,3 +145,43 @@ def test_user_docs_hold_no_development_log(doc: Path) -> None:
         if _LOG_WORDS.search(line)
     ]
     assert not hits, "\n".join(hits[:20])
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(doc: Path) -> set[str]:
+    out: set[str] = set()
+    seen: dict[str, int] = {}
+    for line in doc.read_text().splitlines():
+        m = re.match(r"#{1,6} (.*)", line)
+        if m:
+            slug = _slug(m.group(1))
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_relative_links_and_anchors_resolve() -> None:
+    docs = [
+        *USER_DOCS,
+        ROOT / "docker" / "kubernetes" / "README.md",
+        ROOT / "docker" / "secrets" / "README.md",
+    ]
+    broken = []
+    for doc in docs:
+        text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+        for m in re.finditer(r"\]\(([^)\s]+)\)", text):
+            link = m.group(1)
+            if link.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = link.partition("#")
+            target = (doc.parent / path).resolve() if path else doc
+            if not target.exists():
+                broken.append(f"{doc.name}: {link} (no such file)")
+            elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+                broken.append(f"{doc.name}: {link} (no such heading)")
+    assert not broken, "\n".join(broken)
