@@ -35,6 +35,7 @@ from .scoring import ScoreJob, ScoringQueue, run_chunk, summary
 from .sequence import Sequence
 from .text import StableText
 from .tools import ToolCallText, ToolSpec, prompt_messages, template_has_tools
+from .uniform_runner import UniformRunner
 
 
 class Engine:
@@ -51,19 +52,24 @@ class Engine:
         self.mask_id = lm.mask_id
         self.stop_ids = lm.stop_ids
         pad_id = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else lm.eos_id
-        self.runner = ModelRunner(
-            lm.model,
-            lm.family.name,
-            lm.mask_id,
-            lm.eos_id,
-            pad_id,
-            lm.device,
-            max_rows=config.max_rows,
-            cuda_graphs=config.cuda_graphs,
-            max_cuda_graphs=config.max_cuda_graphs,
-            cuda_graph_max_tokens=config.cuda_graph_max_tokens,
-            fused_kernels=config.fused_kernels,
-            lookahead=config.lookahead,
+        # DiffusionGemma rows run on their own runner (uniform_runner.py), the rest here
+        self.runner = (
+            UniformRunner(lm)
+            if lm.family.uniform_diffusion
+            else ModelRunner(
+                lm.model,
+                lm.family.name,
+                lm.mask_id,
+                lm.eos_id,
+                pad_id,
+                lm.device,
+                max_rows=config.max_rows,
+                cuda_graphs=config.cuda_graphs,
+                max_cuda_graphs=config.max_cuda_graphs,
+                cuda_graph_max_tokens=config.cuda_graph_max_tokens,
+                fused_kernels=config.fused_kernels,
+                lookahead=config.lookahead,
+            )
         )
         self.scheduler = Scheduler(
             config.max_rows,
@@ -83,7 +89,9 @@ class Engine:
         self.total_forwards = 0
         self.last_step_rows = 0
         self.last_step_seconds = 0.0
-        self.mask_token = lm.tokenizer.convert_ids_to_tokens(lm.mask_id)
+        self.mask_token = (  # DiffusionGemma has none (mask_id -1)
+            lm.tokenizer.convert_ids_to_tokens(lm.mask_id) if lm.mask_id >= 0 else None
+        )
         self.structured = StructuredOutput(lm, self.runner)  # grammar-constrained rows
         self.prompt_byte_cap = prompt_byte_cap(lm.tokenizer, config.max_prompt)
         # max_tokens of a request that names none: the server's, else the checkpoint's published

@@ -115,6 +115,7 @@ class ResolvedParams:
     tools: ToolSpec | None = None  # issue 17: tool calling (tools.py); None also for `none`
     score: int | None = None  # issue 17: score the prompt with this many MC samples (scoring.py)
     priority: int = 0  # issue 14: admission order, lower first (scheduler.py)
+    uniform: Any = None  # DiffusionGemma's UniformSettings (decoding/uniform_diffusion.py)
     # mixed into the first prompt page's hash: only requests with the same salt share
     # cached prompt pages (prefix_cache.py); None = the unsalted chain
     cache_salt: str | None = None
@@ -166,6 +167,11 @@ def resolve(
     `model_defaults` are the checkpoint's own decoding defaults (e.g. d3LLM's multi-block
     settings), applied to keys the request left unset. `model_block` > 0 marks a
     block-diffusion model (SDAR, LLaDA2) and is its trained block length."""
+    from .decoding.uniform_params import refuse_uniform_keys, resolve_uniform
+
+    if family == "diffusion_gemma":  # uniform-state diffusion: its own sampler settings
+        return resolve_uniform(p, model_defaults or {}, max_canvas, default_max_tokens)
+    refuse_uniform_keys(p)
     p = apply_model_defaults(p, model_defaults)
     if not model_block:
         for algorithm, keys in BLOCK_ALGORITHM_KEYS.items():

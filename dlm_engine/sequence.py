@@ -199,6 +199,9 @@ class Sequence:
 
     def absorb(self, window_tokens: list[int]) -> None:
         """Take the step's committed window into the host mirror and advance the schedule."""
+        if self.params.uniform is not None:
+            self._absorb_canvas(window_tokens)
+            return
         start = self.window_start - self.prompt_len
         if self.editing:
             self._absorb_edits(start, window_tokens)
@@ -225,6 +228,15 @@ class Sequence:
                 self._window = self.layout.window(self.block)
             self.step_in_block = 0
             self.masks_in_block = self.window_width
+
+    def _absorb_canvas(self, canvas: list[int]) -> None:
+        """DiffusionGemma (decoding/uniform_diffusion.py): a step commits nothing until a
+        canvas ends, then the whole canvas at once (cut at `max_tokens`)."""
+        self.forwards += 1
+        if canvas:
+            start = self.block * len(canvas)
+            self.canvas[start : start + len(canvas)] = canvas[: max(0, len(self.canvas) - start)]
+            self.block += 1
 
     def _absorb_edits(self, start: int, window_tokens: list[int]) -> None:
         """joint_threshold's block end (SGLang JointThreshold): a step that changes nothing

@@ -288,7 +288,12 @@ PARAMS: tuple[Param, ...] = (
         "committed per step.",
         default_doc="= `max_tokens` (one token per step)",
         minimum=1,
-        aliases=("num_denoising_steps", "diffusion_steps", "denoising_steps"),
+        aliases=(
+            "num_denoising_steps",
+            "diffusion_steps",
+            "denoising_steps",
+            "max_denoising_steps",
+        ),
         relations="at most `max_tokens`, divisible by the number of blocks "
         "(`max_tokens / block_length`); block-diffusion models (SDAR, LLaDA2): steps per "
         "block, at most `block_length`, default `block_length`",
@@ -335,7 +340,7 @@ PARAMS: tuple[Param, ...] = (
         relations="in (0, 1] for confidence rules; with `entropy_threshold` (and `multi_block`) "
         f"an entropy bound in nats, (0, {MAX_ENTROPY_THRESHOLD:g}]; not with `random`, `origin` "
         "or `entropy` (no confidence in [0, 1])",
-        aliases=("confidence_threshold", "eb_threshold", "accept_threshold"),
+        aliases=("confidence_threshold", "eb_threshold", "accept_threshold", "entropy_bound"),
         examples=(0.9, 25),
     ),
     Param(
@@ -803,6 +808,57 @@ PARAMS = (
     + SCORING_PARAMS
     + BIAS_PARAMS
 )
+
+# ---- DiffusionGemma's sampler (dlm_engine/decoding/uniform_diffusion.py); `steps` is its
+# max_denoising_steps per canvas and `threshold` its entropy_bound ----
+UNIFORM_PARAMS = (
+    Param(
+        "t_min",
+        FLOAT,
+        "DiffusionGemma: the temperature of a canvas's last denoising step (the schedule falls "
+        "linearly from `t_max`).",
+        default_doc="the checkpoint's generation_config `t_min` (0.4)",
+        minimum=0,
+        maximum=10,
+        relations="below `t_max`; DiffusionGemma only",
+        examples=(0.4, -1),
+    ),
+    Param(
+        "t_max",
+        FLOAT,
+        "DiffusionGemma: the temperature of a canvas's first denoising step.",
+        default_doc="the checkpoint's generation_config `t_max` (0.8)",
+        minimum=0,
+        maximum=10,
+        exclusive_minimum=True,
+        relations="above `t_min`; DiffusionGemma only",
+        examples=(0.8, 0),
+    ),
+    Param(
+        "stability_threshold",
+        INT,
+        "DiffusionGemma: a canvas may stop once its argmax has not changed for this many steps "
+        "(and `stop_entropy` holds).",
+        default_doc="the checkpoint's generation_config `stability_threshold` (1)",
+        minimum=0,
+        maximum=1024,
+        relations="DiffusionGemma only",
+        examples=(1, -1),
+    ),
+    Param(
+        "stop_entropy",
+        FLOAT,
+        "DiffusionGemma: a canvas may stop once its mean token entropy (nats, at the step's "
+        "temperature) is below this and it is stable.",
+        default_doc="the checkpoint's generation_config `confidence_threshold` (0.005)",
+        minimum=0,
+        maximum=100,
+        exclusive_minimum=True,
+        relations="DiffusionGemma only",
+        examples=(0.005, 0),
+    ),
+)
+PARAMS = PARAMS + UNIFORM_PARAMS
 
 BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
 # alias -> canonical name (canonical names map to themselves)

@@ -56,6 +56,10 @@ def decoding_defaults(
     path: Path, family: str, config: dict[str, Any], gen: dict[str, Any]
 ) -> dict[str, Any]:
     """Request-key defaults this checkpoint asks for ({} for plain LLaDA / Dream)."""
+    if family == "diffusion_gemma":  # its sampler's keys (decoding/uniform_params.py)
+        from .uniform_params import uniform_defaults
+
+        return uniform_defaults(gen)
     out: dict[str, Any] = {}
     for key, name in _GEN_KEYS.items():
         if gen.get(key) is not None:

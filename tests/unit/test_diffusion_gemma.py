@@ -173,3 +173,92 @@ def test_entropy_bound_acceptance_rule():
     assert accepted_mask(entropy, 0.1).tolist() == [[True, False, True, True, False]]
     assert accepted_mask(entropy, 0.2).tolist() == [[True, True, True, True, False]]
     assert accepted_mask(entropy, 1e-9).tolist() == [[False, False, True, False, False]]
+
+
+# ---- served: the engine's step loop ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    from dlm_engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(model=str(ckpt), device="cpu", dtype="float32", max_rows=4))
+
+
+def _expected(engine, prompt: list[int], seed: int, max_tokens: int, **over) -> list[int]:
+    """Our sampler run alone (proven equal to transformers above), cut as served text is:
+    at the first stop id (excluded) and at max_tokens."""
+    gen = json.loads((engine.loaded.path / "generation_config.json").read_text())
+    tokens = generate(
+        engine.loaded.model,
+        [prompt],
+        [_settings(gen, max_tokens, **over)],
+        [seed],
+        sorted(engine.stop_ids),
+    )[0][:max_tokens]
+    for i, t in enumerate(tokens):
+        if t in engine.stop_ids:
+            return tokens[:i]
+    return tokens
+
+
+def test_engine_rows_equal_the_sampler_alone_and_batched(engine):
+    reqs = [
+        (_prompt(engine.loaded, "hi there"), 1, 40, {}),
+        (_prompt(engine.loaded, "What is 12 + 7?"), 3, 20, {}),
+        (
+            _prompt(engine.loaded, "sort 4 2 9"),
+            6,
+            64,
+            {"confidence_threshold": 0.3, "stability_threshold": 0},
+        ),
+    ]
+    params = []
+    for _, seed, max_tokens, over in reqs:
+        p = {"seed": seed, "max_tokens": max_tokens}
+        if "confidence_threshold" in over:
+            p |= {"stop_entropy": over["confidence_threshold"], "stability_threshold": 0}
+        params.append(p)
+    outs = engine.generate([r[0] for r in reqs], params)
+    for (prompt, seed, max_tokens, over), out in zip(reqs, outs, strict=True):
+        want = _expected(engine, prompt, seed, max_tokens, **over)
+        assert out.token_ids[: len(want)] == want
+        assert out.finish_reason in ("stop", "length")
+        assert len(out.token_ids) <= max_tokens
+        assert out.steps >= 1
+    alone = engine.generate([reqs[2][0]], [params[2]])[0]
+    assert alone.token_ids == outs[2].token_ids
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"temperature": 0.7}, "temperature"),
+        ({"block_length": 8}, "block_length"),
+        ({"t_min": 0.9, "t_max": 0.5}, "t_max"),
+        ({"algorithm": "low_confidence"}, "algorithm"),
+        ({"logprobs": True}, "logprobs"),
+    ],
+)
+def test_engine_refuses_keys_that_do_not_apply(engine, params, field):
+    from dlm_engine import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as err:
+        engine.resolve_params(params)
+    assert err.value.field == field
+
+
+def test_other_families_refuse_diffusion_gemma_keys():
+    from dlm_engine import InvalidRequestError
+    from dlm_engine.sampling_params import SamplingParams, resolve
+
+    with pytest.raises(InvalidRequestError) as err:
+        resolve(
+            SamplingParams(stop_entropy=0.1),
+            family="llada",
+            default_algorithm="low_confidence",
+            uses_blocks=True,
+            max_canvas=64,
+            default_max_tokens=16,
+        )
+    assert err.value.field == "stop_entropy"

@@ -1,0 +1,74 @@
+"""The engine's runner for DiffusionGemma rows: the `ModelRunner` surface the engine uses,
+over `decoding/uniform_diffusion.py`'s per-row state.
+
+Each step every running row takes one denoising step (a row whose canvas starts first
+encodes its prompt or its last canvas); a row's window is empty until its canvas ends, then
+it is that whole canvas, which `Sequence` takes into its host mirror. Rows keep their own
+encoder caches as plain tensors (no page pool).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from .decoding.uniform_diffusion import UniformRow, step_rows
+from .loader import LoadedModel
+from .sequence import Sequence
+
+
+class UniformRunner:
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.model = loaded.model
+        self.device = loaded.device
+        self.shift = 0
+        self.model_vocab = int(self.model.vocab_size)
+        self.canvas_length = int(self.model.canvas_length)
+        self.stops = torch.tensor(sorted(loaded.stop_ids), device=loaded.device)
+        self.rows: dict[str, UniformRow] = {}
+        self.failed_rows: dict[int, str] = {}
+        self.constraint_runtime: Any = None
+        self.block_pages = None
+        self.prefix_cache = None
+        self.forward_passes = 0
+
+    # the scheduler's and engine's hooks; nothing to reserve or look ahead
+    def admit(self, seq: Sequence) -> bool:
+        return True
+
+    def fits_pool(self, seq: Sequence) -> bool:
+        return True
+
+    def holds_lookahead_for(self, seqs: list[Sequence]) -> bool:
+        return False
+
+    def drop_lookahead(self) -> None:
+        return None
+
+    def release(self, request_id: str) -> None:
+        self.rows.pop(request_id, None)
+
+    def _row(self, seq: Sequence) -> UniformRow:
+        row = self.rows.get(seq.request_id)
+        if row is None:
+            settings = seq.params.uniform
+            canvases = -(-seq.params.max_tokens // self.canvas_length)
+            row = self.rows[seq.request_id] = UniformRow(
+                torch.tensor(seq.prompt_ids, device=self.device),
+                replace(settings, canvases=canvases),
+                seed=seq.params.seed,
+                n_layers=len(self.model.model.decoder.layers),
+                canvas_length=self.canvas_length,
+                vocab_size=self.model_vocab,
+                stop_ids=self.stops,
+            )
+        return row
+
+    def step(self, seqs: list[Sequence], look_ahead: bool = True) -> list[list[int]]:
+        """One denoising step for every row; each row's finished canvas, or []."""
+        self.failed_rows = {}
+        rows = [self._row(s) for s in seqs]
+        self.forward_passes += 1
+        return [c or [] for c in step_rows(self.model, rows)]
