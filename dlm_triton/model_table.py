@@ -122,7 +122,7 @@ def rows(repository: Path = COMMITTED_REPOSITORY) -> list[ModelRow]:
         params = read_parameters(config_file)
         checkpoint = params["checkpoint"]
         family, total, bf16, int8, nf4 = _checkpoint_bytes(checkpoint)
-        label = FAMILY_LABELS[family]
+        label = FAMILY_LABELS.get(family, family)
         if "d3llm" in checkpoint.lower():
             label = f"d3LLM ({label})"
         out.append(
