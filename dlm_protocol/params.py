@@ -859,6 +859,7 @@ UNIFORM_PARAMS = (
     ),
 )
 PARAMS = PARAMS + UNIFORM_PARAMS
+UNIFORM_ONLY = tuple(p.name for p in UNIFORM_PARAMS)  # other families refuse them
 
 BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
 # alias -> canonical name (canonical names map to themselves)

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from dlm_engine import Engine, EngineConfig, InvalidRequestError, SamplingParams
 from dlm_protocol import ALIASES, PARAM_NAMES, PARAMS, docgen, limits, parse_params, tensors
-from dlm_protocol.params import BLOCK_DIFFUSION_ONLY
+from dlm_protocol.params import BLOCK_DIFFUSION_ONLY, UNIFORM_ONLY
 from dlm_triton import cli, model_repo
 from dlm_triton.settings import InstanceSettings
 from openai_proxy.config import ProxyConfig
@@ -93,7 +93,8 @@ def test_engine_accepts_every_valid_example(engines: dict[str, Engine]) -> None:
     eng = engines["llada"]
     for param in PARAMS:
         request = {"max_tokens": 8, param.name: param.examples[0]}
-        if param.name in BLOCK_DIFFUSION_ONLY:  # accepted by SDAR/LLaDA2 engines only
+        # accepted by SDAR/LLaDA2 (DiffusionGemma) engines only
+        if param.name in BLOCK_DIFFUSION_ONLY + UNIFORM_ONLY:
             with pytest.raises(InvalidRequestError) as err:
                 eng.resolve_params(request)
             assert err.value.field == param.name
