@@ -84,6 +84,24 @@ MAX_METADATA_VALUE = 512
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 
 
+def _check_metadata(value: Any) -> Any:
+    """OpenAI's `metadata` shape; every error names the field itself, not an inner key."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("must be an object of string keys and string values")
+    if len(value) > MAX_METADATA_KEYS:
+        raise ValueError(f"at most {MAX_METADATA_KEYS} keys")
+    for key, text in value.items():
+        if not isinstance(key, str) or len(key) > MAX_METADATA_KEY:
+            raise ValueError(f"keys are strings of at most {MAX_METADATA_KEY} characters")
+        if not isinstance(text, str) or len(text) > MAX_METADATA_VALUE:
+            raise ValueError(
+                f"value of {key!r} must be a string of at most {MAX_METADATA_VALUE} characters"
+            )
+    return value
+
+
 class StreamOptions(BaseModel):
     """OpenAI `stream_options`; unknown sub-fields (e.g. include_obfuscation) are ignored."""
 
@@ -148,7 +166,25 @@ class _RequestBase(_ContractFields):
     prompt_cache_key: str | None = Field(None, description="Accepted; not used.")
     # What agent and chain frameworks send with every request (LangChain, the OpenAI Agents
     # SDK): accepted in OpenAI's shape and ignored, since they change no token.
-    metadata: dict[str, str] | None = Field(
+    metadata: Annotated[
+        Any,
+        BeforeValidator(_check_metadata),
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "additionalProperties": {
+                            "type": "string",
+                            "maxLength": MAX_METADATA_VALUE,
+                        },
+                        "maxProperties": MAX_METADATA_KEYS,
+                    },
+                    {"type": "null"},
+                ]
+            }
+        ),
+    ] = Field(
         None,
         description=f"Up to {MAX_METADATA_KEYS} string keys (at most {MAX_METADATA_KEY} "
         f"characters) with string values (at most {MAX_METADATA_VALUE}). Accepted; not used.",
@@ -157,20 +193,6 @@ class _RequestBase(_ContractFields):
     service_tier: Literal[SERVICE_TIERS] | None = Field(  # type: ignore[valid-type]
         None, description="Accepted; one tier here."
     )
-
-    @field_validator("metadata", mode="after")
-    @classmethod
-    def _metadata_shape(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is None:
-            return value
-        if len(value) > MAX_METADATA_KEYS:
-            raise ValueError(f"at most {MAX_METADATA_KEYS} keys")
-        for key, text in value.items():
-            if len(key) > MAX_METADATA_KEY:
-                raise ValueError(f"key {key[:20]!r}... longer than {MAX_METADATA_KEY} characters")
-            if len(text) > MAX_METADATA_VALUE:
-                raise ValueError(f"value of {key!r} longer than {MAX_METADATA_VALUE} characters")
-        return value
 
     # Known OpenAI fields we reject unless neutral (hidden from the schema; see the docs).
     functions: _Unsupported = None
