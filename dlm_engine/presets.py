@@ -119,4 +119,31 @@ PRESETS: dict[str, dict[str, Any]] = {
         "eos_token_id": 156892,
         "torch_dtype": "bfloat16",
     },
+    # google/diffusiongemma-26B-A4B-it config.json (text part; the Gemma 4 26B-A4B shape):
+    # every sixth layer full attention (wider heads, fewer KV heads, k = v), 128 experts top-8
+    "diffusiongemma-26b-a4b": {
+        "model_type": "diffusion_gemma",
+        "architectures": ["DiffusionGemmaForBlockDiffusion"],
+        "canvas_length": 256,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "text_config": {
+            "vocab_size": 262144,
+            "hidden_size": 2816,
+            "intermediate_size": 2112,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 256,
+            "global_head_dim": 512,
+            "num_global_key_value_heads": 2,
+            "sliding_window": 1024,
+            "num_experts": 128,
+            "top_k_experts": 8,
+            "moe_intermediate_size": 704,
+            "final_logit_softcapping": 30.0,
+            "rms_norm_eps": 1e-06,
+            "use_bidirectional_attention": "vision",
+        },
+    },
 }

@@ -81,6 +81,13 @@ MODELS = [
     ModelSpec("llada2.1-mini", "inclusionAI/LLaDA2.1-mini", dtype="bfloat16"),
     ModelSpec("sdar-4b-chat", "JetLM/SDAR-4B-Chat", dtype="bfloat16", max_rows=64),
     ModelSpec("sdar-8b-chat", "JetLM/SDAR-8B-Chat", dtype="bfloat16", max_rows=64),
+    # DiffusionGemma: uniform-state diffusion over 256-token canvases (text only)
+    ModelSpec(
+        "diffusiongemma-26b-a4b-it",
+        "google/diffusiongemma-26B-A4B-it",
+        dtype="bfloat16",
+        max_rows=16,
+    ),
 ]
 
 

@@ -31,9 +31,16 @@ HUB_ARCHITECTURES = {
     "inclusionAI/LLaDA2.1-mini": "llada2-mini",  # the 2.0-mini layout
     "JetLM/SDAR-4B-Chat": "sdar-4b",
     "JetLM/SDAR-8B-Chat": "sdar-8b",
+    "google/diffusiongemma-26B-A4B-it": "diffusiongemma-26b-a4b",
 }
 
-FAMILY_LABELS = {"llada": "LLaDA", "dream": "Dream", "sdar": "SDAR", "llada2": "LLaDA2 (MoE)"}
+FAMILY_LABELS = {
+    "llada": "LLaDA",
+    "dream": "Dream",
+    "sdar": "SDAR",
+    "llada2": "LLaDA2 (MoE)",
+    "diffusion_gemma": "DiffusionGemma (MoE, text)",
+}
 
 # bitsandbytes storage per weight of a replaced linear layer, in bytes: LLM.int8 keeps one
 # byte a weight plus a float32 scale per output row; NF4 half a byte plus, with its default
