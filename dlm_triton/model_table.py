@@ -3,8 +3,8 @@
 Each row reads a model folder's ``config.pbtxt`` (checkpoint, limits) and builds the checkpoint's
 architecture on PyTorch's meta device (no weights, no download) to count its parameters and
 the bytes its weights take per precision, exactly as the loader and ``quantization.py`` lay
-them out: bitsandbytes replaces the blocks' ``nn.Linear`` layers; embeddings, the output head
-and LLaDA2's stacked experts stay bf16. ``dlm_protocol.docgen`` renders it.
+them out: FP8 replaces the blocks' ``nn.Linear`` layers and LLaDA2's stacked experts;
+bitsandbytes replaces the ``nn.Linear`` layers only; embeddings and the output head stay bf16. ``dlm_protocol.docgen`` renders it.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ FAMILY_LABELS = {
 # byte a weight plus a float32 scale per output row; NF4 half a byte plus, with its default
 # double quantization, one byte of absmax per 64 weights and a float32 per 256 such blocks.
 INT8_BYTES = 1.0
+FP8_BYTES = 1.0  # e4m3, plus a float32 scale per output row (dlm_engine/fp8.py)
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 
 
@@ -56,6 +57,7 @@ class ModelRow:
     family: str
     parameters: int
     bytes_bf16: float
+    bytes_fp8: float
     bytes_int8: float
     bytes_nf4: float
     max_prompt: int
@@ -83,8 +85,8 @@ def _load_presets() -> dict[str, dict[str, Any]]:
     return PRESETS
 
 
-def weight_bytes(config: dict[str, Any]) -> tuple[str, int, float, float, float]:
-    """(family, parameters, bf16 bytes, int8 bytes, nf4 bytes) of the model as served."""
+def weight_bytes(config: dict[str, Any]) -> tuple[str, int, float, float, float, float]:
+    """(family, parameters, bf16, fp8, int8, nf4 bytes) of the model as served."""
     import torch
     from torch import nn
 
@@ -107,14 +109,22 @@ def weight_bytes(config: dict[str, Any]) -> tuple[str, int, float, float, float]
         if isinstance(module, nn.Linear) and module is not head:
             linear_weights += module.weight.numel()
             linear_rows += module.out_features
+    # stacked MoE experts [E, in, out]: FP8 quantizes them too (a float32 scale per expert
+    # and output column), bitsandbytes does not
+    expert_weights = expert_columns = 0
+    for name, p in model.named_parameters():
+        if p.dim() == 3 and name.endswith(("w_gate_up", "w_down")):
+            expert_weights += p.numel()
+            expert_columns += p.shape[0] * p.shape[2]
     rest = 2.0 * (total - linear_weights)  # bf16
     int8 = rest + INT8_BYTES * linear_weights + 4.0 * linear_rows
     nf4 = rest + NF4_BYTES * linear_weights
-    return family.name, total, 2.0 * total, int8, nf4
+    fp8 = int8 - 2.0 * expert_weights + FP8_BYTES * expert_weights + 4.0 * expert_columns
+    return family.name, total, 2.0 * total, fp8, int8, nf4
 
 
 @cache
-def _checkpoint_bytes(checkpoint: str) -> tuple[str, int, float, float, float]:
+def _checkpoint_bytes(checkpoint: str) -> tuple[str, int, float, float, float, float]:
     return weight_bytes(architecture(checkpoint))
 
 
@@ -128,7 +138,7 @@ def rows(repository: Path = COMMITTED_REPOSITORY) -> list[ModelRow]:
     for config_file in files:
         params = read_parameters(config_file)
         checkpoint = params["checkpoint"]
-        family, total, bf16, int8, nf4 = _checkpoint_bytes(checkpoint)
+        family, total, bf16, fp8, int8, nf4 = _checkpoint_bytes(checkpoint)
         label = FAMILY_LABELS.get(family, family)
         if "d3llm" in checkpoint.lower():
             label = f"d3LLM ({label})"
@@ -139,6 +149,7 @@ def rows(repository: Path = COMMITTED_REPOSITORY) -> list[ModelRow]:
                 family=label,
                 parameters=total,
                 bytes_bf16=bf16,
+                bytes_fp8=fp8,
                 bytes_int8=int8,
                 bytes_nf4=nf4,
                 max_prompt=int(params["max_prompt"]),
@@ -176,14 +187,15 @@ def _hub(checkpoint: str) -> str:
 
 def markdown(repository: Path = COMMITTED_REPOSITORY) -> str:
     lines = [
-        "| `model` | Hub id | family | parameters | weights bf16 / int8 / nf4 "
+        "| `model` | Hub id | family | parameters | weights bf16 / fp8 / int8 / nf4 "
         "| max prompt / canvas tokens | rows a step | CPU |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows(repository):
         lines.append(
             f"| `{r.name}` | {_hub(r.checkpoint)} | {r.family} | {_count(r.parameters)} | "
-            f"{_size(r.bytes_bf16)} / {_size(r.bytes_int8)} / {_size(r.bytes_nf4)} | "
+            f"{_size(r.bytes_bf16)} / {_size(r.bytes_fp8)} / {_size(r.bytes_int8)} / "
+            f"{_size(r.bytes_nf4)} | "
             f"{r.max_prompt} / {r.max_canvas} | {r.max_rows} | {_cpu(r)} |"
         )
     return "\n".join(lines) + "\n"
