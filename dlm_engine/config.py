@@ -65,6 +65,10 @@ class EngineConfig:
     # that no running request uses kept for reuse, least recently used first out (they also
     # give way whenever the pool needs pages); 0 = prefix caching off
     prefix_cache_tokens: int = 16384
+    # ranks the weights are split over (vLLM's tensor_parallel_size): this process is rank 0
+    # and runs the engine; ranks 1..N-1 are worker processes it starts and stops
+    # (dlm_engine/parallel/); 1 = one device
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -73,6 +77,7 @@ class EngineConfig:
             "max_prompt",
             "max_queue",
             "max_step_tokens",
+            "tensor_parallel_size",
         ):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1")

@@ -10,7 +10,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -52,6 +52,20 @@ class LoadedModel:
     path: Path
     decoding_defaults: dict[str, Any] = field(default_factory=dict)  # e.g. d3LLM's
     dtype_reason: str = ""  # why `dtype` was chosen (choose_dtype), for logs and metrics
+
+
+class ShardReader(Protocol):
+    """Makes a meta-device model one rank's shard and returns that rank's weights."""
+
+    def __call__(
+        self,
+        model: nn.Module,
+        path: Path,
+        config: dict[str, Any],
+        family: Family,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> dict[str, torch.Tensor]: ...
 
 
 # Measured on a 2-core AVX512-BF16 machine (tiny-dlm, 32-token canvas, per denoising step):
@@ -198,12 +212,15 @@ def load_checkpoint(
     device: str = "cpu",
     quantization: str | None = None,
     revision: str | None = None,
+    weights: ShardReader | None = None,
 ) -> LoadedModel:
     """Build the family's model from `path`, load its weights, tokenizer and special ids.
 
     `path` is a checkpoint directory or a Hugging Face Hub id (`org/name`, fetched at
     `revision` into the Hub cache: see `hub.py`); `random:<preset>` builds a published
-    architecture with random weights (benchmarks)."""
+    architecture with random weights (benchmarks). `weights`, for a tensor-parallel rank,
+    turns the model built on the meta device into its shard and reads only its slices
+    (dlm_engine/parallel/)."""
     if str(path).startswith("random:"):
         return random_checkpoint(str(path).removeprefix("random:"), dtype, device, quantization)
     path = resolve_checkpoint(path, revision)  # a complete local folder, or a clear error
@@ -217,7 +234,10 @@ def load_checkpoint(
     dev = torch.device(device)
     with torch.device("meta"):
         model = build_model(family, config)
-    state = _read_state(path, dev, torch_dtype)
+    if weights is not None:
+        state = weights(model, path, config, family, dev, torch_dtype)
+    else:
+        state = _read_state(path, dev, torch_dtype)
     fp8 = fp8_format(config)
     if fp8 is not None:
         if quantization not in (None, "fp8"):

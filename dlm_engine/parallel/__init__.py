@@ -1,0 +1,14 @@
+"""Tensor parallelism: one engine (rank 0: scheduler, decoding, outputs) driving N ranks,
+each holding a shard of the weights; every forward runs on all ranks in lockstep over
+torch.distributed (gloo on CPU, NCCL on CUDA) and rank 0 alone ends with full logits.
+
+`sharding.py` (per-family tables of which published tensors are split how), `layers.py`
+(row-parallel linear, vocabulary-parallel head), `group.py` (process group), `channel.py`
+(rank 0's commands), `workers.py` (worker processes), `model.py` (rank 0's `ParallelLM`,
+the workers' command loop), `start.py` (bringing it all up).
+"""
+
+from .model import ParallelLM, TensorParallelError
+from .start import start_tensor_parallel
+
+__all__ = ["ParallelLM", "TensorParallelError", "start_tensor_parallel"]

@@ -1,0 +1,62 @@
+"""What rank 0 tells the workers each forward: a small JSON header through the store (the
+command, tensor shapes and dtypes, the attention layout, the KV pools' shapes) and then the
+tensors themselves by `torch.distributed.broadcast` from rank 0.
+
+A worker waits for the next header on the store in short rounds, checking between rounds
+that rank 0 still lives: an idle engine never makes a collective time out. Headers are JSON,
+never pickles, so nothing read from the store is executed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+POLL = timedelta(seconds=1)  # a worker's wait for the next header, between liveness checks
+
+
+class Channel:
+    """Numbered commands from rank 0 (`send`) to every worker (`receive`)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+        self.n = 0
+
+    def send(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        """Post command n+1 and broadcast its tensors (rank 0)."""
+        self.n += 1
+        header = {**header, "tensors": [[list(t.shape), str(t.dtype)] for t in tensors]}
+        self.store.set(f"cmd/{self.n}", json.dumps(header))
+        if self.n > 2:  # every worker read it: each command ends in a collective with them
+            self.store.delete_key(f"cmd/{self.n - 2}")
+        for t in tensors:
+            dist.broadcast(t.contiguous(), src=0)
+
+    def receive(
+        self, device: torch.device, alive: Callable[[], bool]
+    ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """The next command and its tensors (a worker); None once `alive()` says rank 0 is
+        gone."""
+        key = f"cmd/{self.n + 1}"
+        while True:
+            try:
+                self.store.wait([key], POLL)
+                break
+            except dist.DistStoreError:
+                if not alive():
+                    return None
+        self.n += 1
+        header = json.loads(self.store.get(key))
+        tensors = []
+        for shape, dtype in header["tensors"]:
+            t = torch.empty(
+                shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device
+            )
+            dist.broadcast(t, src=0)
+            tensors.append(t)
+        return header, tensors

@@ -1,0 +1,61 @@
+"""The ranks' process group: a TCP store hosted by rank 0, then torch.distributed's default
+group over it (gloo on CPU, NCCL on CUDA) with a timeout on every collective, so a rank that
+stops answering turns into an error instead of a hang."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+LOCALHOST = "127.0.0.1"  # every rank runs on this host (one engine, one machine's devices)
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank r's device: `cuda:r` when the engine runs on CUDA, else the CPU."""
+    dev = torch.device(device)
+    return torch.device("cuda", rank) if dev.type == "cuda" else dev
+
+
+def host_store(world: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's store on a free port of the loopback interface (`.port` tells the workers)."""
+    return dist.TCPStore(
+        LOCALHOST, 0, world, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+
+
+def join_store(port: int, world: int, timeout_s: float) -> dist.TCPStore:
+    """A worker's connection to rank 0's store."""
+    return dist.TCPStore(LOCALHOST, port, world, False, timeout=timedelta(seconds=timeout_s))
+
+
+def init_group(
+    store: dist.Store, rank: int, world: int, device: torch.device, timeout_s: float
+) -> None:
+    """Join the default process group; collectives fail after `timeout_s` without a peer."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a torch.distributed process group already exists in this process: one "
+            "tensor-parallel engine per process"
+        )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend_for(device),
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def leave_group() -> None:
+    """Destroy the default group (a later engine in this process may make its own)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

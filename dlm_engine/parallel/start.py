@@ -1,0 +1,95 @@
+"""Starting a tensor-parallel engine: rank 0 resolves the checkpoint, starts the workers,
+joins the process group with them and loads its own shard while they load theirs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import EngineConfig
+from ..fp8_checkpoint import fp8_format
+from ..hub import resolve_checkpoint
+from ..loader import LoadedModel, load_checkpoint
+from ..models import Family, detect_family
+from .channel import Channel
+from .group import host_store, init_group, rank_device
+from .model import ParallelLM
+from .sharding import read_shard, rules_for, shard_model
+from .workers import WorkerSet
+
+# a collective (or the first load) waits this long for a silent peer before failing; a
+# worker that exits is reported at once (WorkerSet.check), this is the backstop
+TIMEOUT_S = 300.0
+
+
+def check_supported(config: EngineConfig, raw: dict[str, Any], family: Family) -> None:
+    """Refuse, naming the setting, what tensor parallelism does not run yet."""
+    world = config.tensor_parallel_size
+    if config.quantization:
+        raise ValueError(
+            f"quantization={config.quantization} is not supported with "
+            f"tensor_parallel_size {world} yet"
+        )
+    if fp8_format(raw) is not None:
+        raise ValueError(f"FP8 checkpoints are not supported with tensor_parallel_size {world} yet")
+    rules_for(family.name)  # a family without a sharding table: a clear error
+
+
+def shard_reader(world: int, rank: int):
+    """The loader's `weights` hook for `rank`: shard the meta model, read its slices."""
+
+    def read(
+        model: nn.Module,
+        path: Path,
+        config: dict[str, Any],
+        family: Family,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> dict[str, torch.Tensor]:
+        shard_model(model, family.name, world)
+        return read_shard(path, family.name, rank, world, device, dtype)
+
+    return read
+
+
+def load_rank(spec: dict[str, Any], rank: int, world: int) -> LoadedModel:
+    """Rank `rank`'s shard of the checkpoint at `spec["path"]` (a local folder)."""
+    device = rank_device(spec["device"], rank)
+    return load_checkpoint(
+        spec["path"], spec["dtype"], str(device), weights=shard_reader(world, rank)
+    )
+
+
+def start_tensor_parallel(config: EngineConfig) -> LoadedModel:
+    """Rank 0's loaded model (a `ParallelLM` over its shard) with workers 1..N-1 running."""
+    world = int(config.tensor_parallel_size)
+    if str(config.model).startswith("random:"):
+        raise ValueError("random checkpoints are not supported with tensor_parallel_size > 1")
+    path = resolve_checkpoint(config.model, config.revision)  # once, before any worker reads
+    raw = json.loads((path / "config.json").read_text())
+    check_supported(config, raw, detect_family(raw))
+    store = host_store(world, TIMEOUT_S)
+    spec = {
+        "path": str(path),
+        "dtype": config.dtype,
+        "device": config.device,
+        "world": world,
+        "port": store.port,
+        "timeout_s": TIMEOUT_S,
+        "threads": torch.get_num_threads() if torch.device(config.device).type == "cpu" else 0,
+    }
+    workers = WorkerSet(spec, world, store)
+    try:
+        init_group(store, 0, world, rank_device(config.device, 0), TIMEOUT_S)
+        loaded = load_rank(spec, 0, world)
+        workers.wait_ready(TIMEOUT_S)
+    except BaseException:
+        workers.stop()
+        raise
+    model = ParallelLM(loaded.model, Channel(store), workers)
+    return dataclasses.replace(loaded, model=model)

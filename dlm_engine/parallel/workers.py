@@ -1,0 +1,181 @@
+"""Worker ranks 1..N-1: rank 0 starts them, watches them and stops them; each loads its
+shard and runs rank 0's commands until told to stop or until rank 0 is gone.
+
+A worker dies with rank 0: it asks the kernel for SIGKILL when its parent thread ends
+(`PR_SET_PDEATHSIG`), and the workers are started from a keeper thread that lives until
+`WorkerSet.stop()`, so that thread is the process's own lifetime, not that of whichever
+thread built the engine. Rank 0 stops them on every exit path (`stop()`, the engine's
+finalizer at exit) by their PIDs: a stop command, then SIGKILL after a grace period, then a
+wait that reaps them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+STOP_GRACE_S = 5.0
+
+
+def _describe(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"signal {-rc}"
+    return f"exit status {rc}"
+
+
+class WorkerSet:
+    """The worker processes of one tensor-parallel engine, seen from rank 0."""
+
+    def __init__(self, spec: dict[str, Any], world: int, store) -> None:
+        self.world = world
+        self.store = store
+        self.procs: list[subprocess.Popen] = []
+        self.stopped = False
+        self._quit = threading.Event()
+        self._up = threading.Event()
+        self._error: BaseException | None = None
+        self._keeper = threading.Thread(
+            target=self._keep, args=(spec,), name="tp-workers", daemon=True
+        )
+        self._keeper.start()
+        self._up.wait()
+        self._finalizer = weakref.finalize(self, _stop_procs, self.procs, self.store)
+        if self._error is not None:
+            self.stop()
+            raise self._error
+
+    def _keep(self, spec: dict[str, Any]) -> None:
+        """The workers' parent thread: start them, then live until `stop()`."""
+        env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}  # idle store polls warn otherwise
+        try:
+            for rank in range(1, self.world):
+                args = json.dumps({**spec, "rank": rank, "parent": os.getpid()})
+                cmd = [sys.executable, "-m", "dlm_engine.parallel.worker_main", args]
+                self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
+        except BaseException as exc:  # noqa: BLE001 - handed to the constructor's thread
+            self._error = exc
+        finally:
+            self._up.set()
+        self._quit.wait()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def check(self) -> None:
+        """Raise a clear error if any worker has exited (or the set was stopped)."""
+        from .model import TensorParallelError
+
+        if self.stopped:
+            raise TensorParallelError("the tensor-parallel workers were stopped")
+        for rank, p in enumerate(self.procs, start=1):
+            rc = p.poll()
+            if rc is not None:
+                raise TensorParallelError(
+                    f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with "
+                    f"{_describe(rc)}; this engine (tensor_parallel_size {self.world}) cannot "
+                    "run a forward until it is restarted"
+                )
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until every worker has loaded its shard; a worker that failed or died says
+        so at once."""
+        deadline = time.monotonic() + timeout_s
+        for rank in range(1, self.world):
+            key = f"ready/{rank}"
+            while not self.store.check([key]):
+                self.check()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"worker rank {rank} not ready after {timeout_s} s")
+                time.sleep(0.05)
+            status = self.store.get(key).decode()
+            if status != "ok":
+                raise RuntimeError(f"tensor-parallel worker rank {rank}: {status}")
+
+    def stop(self) -> None:
+        """Stop and reap every worker (idempotent), then leave the process group."""
+        from .group import leave_group
+
+        if self.stopped:
+            return
+        self.stopped = True
+        self._finalizer()
+        self._quit.set()
+        leave_group()
+
+
+def _stop_procs(procs: list[subprocess.Popen], store) -> None:
+    """Ask the workers to stop, then SIGKILL whoever is left after the grace period; reap all."""
+    with contextlib.suppress(Exception):  # the store may be gone; the kill below still works
+        store.set("stop", "1")
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent goes (Linux); exit now if it already went."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def worker_main(spec: dict[str, Any]) -> int:
+    """A worker rank: join the group, load this rank's shard, run commands until told to stop."""
+    from .channel import Channel
+    from .group import init_group, join_store, rank_device
+    from .model import WorkerModel
+    from .start import load_rank
+
+    parent, rank, world = int(spec["parent"]), int(spec["rank"]), int(spec["world"])
+    _die_with_parent(parent)
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    store = join_store(int(spec["port"]), world, float(spec["timeout_s"]))
+    device = rank_device(spec["device"], rank)
+    init_group(store, rank, world, device, float(spec["timeout_s"]))
+    try:
+        loaded = load_rank(spec, rank, world)
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
+        store.set(f"ready/{rank}", f"error: {type(exc).__name__}: {exc}")
+        return 1
+    worker = WorkerModel(loaded.model, device)
+    store.set(f"ready/{rank}", "ok")
+    channel = Channel(store)
+
+    def alive() -> bool:
+        try:
+            return os.getppid() == parent and not store.check(["stop"])
+        except Exception:  # noqa: BLE001 - rank 0's store is gone with rank 0
+            return False
+
+    while True:
+        got = channel.receive(device, alive)
+        if got is None:
+            break
+        worker.run(*got)
+    return 0

@@ -1,0 +1,137 @@
+"""Tensor parallelism on CPU: 2 real ranks (rank 0 here, rank 1 a worker process) over a gloo
+process group. TP=2 must give the tokens of TP=1 (greedy, float32) for single requests and
+batched unlike rows, in every mode (exact, Fast-dLLM cached, block diffusion), and one
+forward's logits allclose (a rank's all-reduce sums in another order than one matmul). A
+killed worker is a clear error at rank 0's next forward, and no worker outlives its engine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from dlm_engine import Engine, EngineConfig
+from dlm_engine.parallel import ParallelLM, TensorParallelError
+from dlm_engine.reference import full_logits
+from dlm_engine.testing import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_per_rank() -> Iterator[None]:
+    """Two ranks on a 2-core machine: one thread each (workers take rank 0's count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp")
+    return {
+        fam: str(make_tiny_checkpoint(root / fam, fam, seed=1))
+        for fam in ("llada", "dream", "sdar")
+    }
+
+
+@contextmanager
+def tp_engine(path: str, world: int = 2) -> Iterator[Engine]:
+    engine = Engine(EngineConfig(model=path, tensor_parallel_size=world))
+    model = engine.runner.model
+    assert isinstance(model, ParallelLM) and len(model.workers.pids) == world - 1
+    try:
+        yield engine
+    finally:
+        model.close()
+        # every worker reaped: none left running
+        assert all(p.poll() is not None for p in model.workers.procs)
+
+
+def _prompts(engine: Engine) -> list[list[int]]:
+    texts = ("Hello there, what is 2+2?", "Sort: 5 3 9 1", "abc")
+    return [engine.encode_prompt(text=t) for t in texts]
+
+
+def _tokens(engine: Engine, prompts, params) -> list[list[int]]:
+    return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+def _same_logits(one: Engine, two: Engine, prompt: list[int]) -> None:
+    x = torch.tensor([prompt + [one.mask_id] * 12])
+    a = full_logits(one.runner.model)(x)
+    b = full_logits(two.runner.model)(x)
+    assert a.shape == b.shape
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def _check_family(path: str, rows: list[dict]) -> None:
+    one = Engine(EngineConfig(model=path))
+    with tp_engine(path) as two:
+        prompts = _prompts(one)
+        # rank 0 holds half of every split weight, not a copy of the model
+        whole = sum(p.numel() for p in one.runner.model.parameters())
+        shard = sum(p.numel() for p in two.runner.model.parameters())
+        assert shard < 0.8 * whole
+        _same_logits(one, two, prompts[0])
+        single = {k: v for k, v in rows[0].items()}
+        assert _tokens(two, prompts[:1], single) == _tokens(one, prompts[:1], single)
+        assert _tokens(two, prompts, rows) == _tokens(one, prompts, rows)
+
+
+def test_llada_tp2_equals_tp1(ckpts) -> None:
+    _check_family(
+        ckpts["llada"],
+        [
+            {"max_tokens": 16, "steps": 16},
+            {"max_tokens": 24, "steps": 12, "cache": "dual", "block_length": 8},
+            {"max_tokens": 8, "steps": 8, "cache": "prefix", "block_length": 4},
+        ],
+    )
+
+
+def test_dream_tp2_equals_tp1(ckpts) -> None:
+    _check_family(
+        ckpts["dream"],
+        [
+            {"max_tokens": 16, "steps": 16},
+            {"max_tokens": 24, "steps": 12},
+            {"max_tokens": 12, "steps": 12, "cache": "dual", "block_length": 4},
+        ],
+    )
+
+
+def test_sdar_block_diffusion_tp2_equals_tp1(ckpts) -> None:
+    _check_family(ckpts["sdar"], [{"max_tokens": 16}, {"max_tokens": 12}, {"max_tokens": 20}])
+
+
+def test_killed_worker_is_a_clear_error(ckpts) -> None:
+    with tp_engine(ckpts["dream"]) as engine:
+        pid = engine.runner.model.workers.pids[0]
+        os.kill(pid, signal.SIGKILL)
+        engine.runner.model.workers.procs[0].wait(timeout=10)
+        started = time.monotonic()
+        with pytest.raises(
+            TensorParallelError, match=rf"rank 1 \(pid {pid}\) exited with signal SIGKILL"
+        ):
+            engine.generate(_prompts(engine)[:1], {"max_tokens": 8, "steps": 8})
+        assert time.monotonic() - started < 10  # an error, not a hang
+
+
+def test_unsupported_settings_are_refused_by_name(tmp_path) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(model="x", tensor_parallel_size=0)
+    llada2 = str(make_tiny_checkpoint(tmp_path / "llada2", "llada2", seed=1))
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size > 1 is not supported for the llada2"
+    ):
+        Engine(EngineConfig(model=llada2, tensor_parallel_size=2))
+    llada = str(make_tiny_checkpoint(tmp_path / "llada", "llada", seed=1))
+    with pytest.raises(ValueError, match="quantization=int8 .* tensor_parallel_size 2"):
+        Engine(EngineConfig(model=llada, tensor_parallel_size=2, quantization="int8"))
