@@ -90,6 +90,12 @@ def _serve_parser(sub: Any) -> None:
         type=int,
         help=f"prompt tokens ceiling {from_config.format(limits.MAX_PROMPT)}",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        help="ranks the weights are split over: one engine driving N processes, one device "
+        "each (CUDA: consecutive GPUs; CPU: gloo) (default: the model's config.pbtxt, else 1)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in Docker)")
     p.add_argument("--http-port", type=int, default=8000, help="Triton HTTP port")
     p.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port")
@@ -226,6 +232,7 @@ def serve(args: argparse.Namespace) -> int:
             "max_canvas": args.max_canvas,
             "max_prompt": args.max_prompt,
             "revision": args.revision,
+            "tensor_parallel_size": args.tensor_parallel_size,
         }.items()
         if v is not None
     }

@@ -35,6 +35,8 @@ ENV_OVERRIDES = {
     "admission_gap_ms": "DLM_ADMISSION_GAP_MS",
     "admission_burst_gap_ms": "DLM_ADMISSION_BURST_GAP_MS",
     "score_step_tokens": "DLM_SCORE_STEP_TOKENS",
+    # ranks the weights are split over (dlm_engine/parallel/): this instance's engine is rank 0
+    "tensor_parallel_size": "DLM_TENSOR_PARALLEL_SIZE",
 }
 # unset: the engine's defaults (EngineConfig)
 INT_KEYS = (
@@ -47,6 +49,7 @@ INT_KEYS = (
     "phase_wait_steps",
     "cuda_graph_max_tokens",
     "score_step_tokens",
+    "tensor_parallel_size",
 )
 FLOAT_KEYS = (
     "kv_cache_memory_fraction",
@@ -64,6 +67,7 @@ OPTIONAL_KEYS = (
     "admission_gap_ms",
     "admission_burst_gap_ms",
     "score_step_tokens",
+    "tensor_parallel_size",
 )
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "dlm_engine" / "assets"
 
@@ -88,6 +92,7 @@ class InstanceSettings:
     admission_gap_ms: float | None = None
     admission_burst_gap_ms: float | None = None
     score_step_tokens: int | None = None
+    tensor_parallel_size: int | None = None
 
 
 def config_parameters(model_config: dict) -> dict[str, str]:

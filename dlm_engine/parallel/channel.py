@@ -47,7 +47,7 @@ class Channel:
             try:
                 self.store.wait([key], POLL)
                 break
-            except dist.DistStoreError:
+            except dist.DistError:  # a timeout, or the store gone with rank 0
                 if not alive():
                     return None
         self.n += 1

@@ -18,9 +18,12 @@ def backend_for(device: torch.device) -> str:
 
 
 def rank_device(device: str, rank: int) -> torch.device:
-    """Rank r's device: `cuda:r` when the engine runs on CUDA, else the CPU."""
+    """Rank r's device: the r-th GPU from the engine's own (`cuda:k` -> `cuda:k+r`) when the
+    engine runs on CUDA, else the CPU."""
     dev = torch.device(device)
-    return torch.device("cuda", rank) if dev.type == "cuda" else dev
+    if dev.type != "cuda":
+        return dev
+    return torch.device("cuda", (dev.index or 0) + rank)
 
 
 def host_store(world: int, timeout_s: float) -> dist.TCPStore:

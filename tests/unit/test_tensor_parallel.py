@@ -135,3 +135,18 @@ def test_unsupported_settings_are_refused_by_name(tmp_path) -> None:
     llada = str(make_tiny_checkpoint(tmp_path / "llada", "llada", seed=1))
     with pytest.raises(ValueError, match="quantization=int8 .* tensor_parallel_size 2"):
         Engine(EngineConfig(model=llada, tensor_parallel_size=2, quantization="int8"))
+
+
+def test_tensor_parallel_size_is_a_flag_an_env_var_and_a_parameter() -> None:
+    from dlm_triton import cli
+    from dlm_triton.settings import resolve_settings
+
+    args = cli.build_parser().parse_args(["serve", "--tensor-parallel-size", "2"])
+    assert args.tensor_parallel_size == 2
+    params = {"checkpoint": "x", "tensor_parallel_size": "2"}
+    assert resolve_settings(params, environ={}).tensor_parallel_size == 2
+    env = {"DLM_TENSOR_PARALLEL_SIZE": "4"}
+    assert resolve_settings(params, environ=env).tensor_parallel_size == 4
+    assert resolve_settings({"checkpoint": "x"}, environ={}).tensor_parallel_size is None
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer"):
+        resolve_settings({"checkpoint": "x", "tensor_parallel_size": "two"}, environ={})
