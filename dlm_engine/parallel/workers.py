@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,7 +69,7 @@ class WorkerSet:
         try:
             for rank in range(1, self.world):
                 args = json.dumps({**spec, "rank": rank, "parent": os.getpid()})
-                cmd = [sys.executable, "-m", "dlm_engine.parallel.worker_main", args]
+                cmd = [_python(), "-m", "dlm_engine.parallel.worker_main", args]
                 self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
         except BaseException as exc:  # noqa: BLE001 - handed to the constructor's thread
             self._error = exc
@@ -133,6 +134,15 @@ def _stop_procs(procs: list[subprocess.Popen], store) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def _python() -> str:
+    """This environment's interpreter: `sys.executable`, unless this process is an embedding
+    host (Triton's Python backend stub), then the environment's own `bin/python3`."""
+    exe = Path(sys.executable)
+    if exe.name.startswith("python"):
+        return str(exe)
+    return str(Path(sys.prefix) / "bin" / "python3")
 
 
 def _die_with_parent(parent: int) -> None:
