@@ -63,6 +63,7 @@ class UniformRunner:
                 canvas_length=self.canvas_length,
                 vocab_size=self.model_vocab,
                 stop_ids=self.stops,
+                logprobs=seq.params.logprobs,
             )
         return row
 
@@ -71,4 +72,11 @@ class UniformRunner:
         self.failed_rows = {}
         rows = [self._row(s) for s in seqs]
         self.forward_passes += 1
-        return [c or [] for c in step_rows(self.model, rows)]
+        windows = [c or [] for c in step_rows(self.model, rows)]
+        for seq, row, window in zip(seqs, rows, windows, strict=True):
+            if window and row.logprobs is not None:  # by canvas position, as Sequence keeps
+                start = (row.canvases_done - 1) * self.canvas_length
+                for i, entry in enumerate(row.canvas_logprobs):
+                    if start + i < seq.params.max_tokens:
+                        seq.logprobs[start + i] = entry
+        return windows

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.diffusion_gemma import DiffusionGemmaModel, RowCache
+from .logprobs import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,10 @@ class UniformRow:
         canvas_length: int,
         vocab_size: int,
         stop_ids: torch.Tensor,
+        logprobs: int | None = None,
     ) -> None:
         self.settings = settings
+        self.logprobs = logprobs  # alternatives per token; None: record no logprobs
         self.canvas_length = canvas_length
         self.vocab_size = vocab_size
         self.stop_ids = stop_ids
@@ -95,6 +98,8 @@ class UniformRow:
         self.canvases_done = 0
         self.forwards = 0
         self.done = False
+        self.last_logits: torch.Tensor | None = None  # the canvas's last step (logprobs)
+        self.canvas_logprobs: list[TokenLogprob] = []  # the finished canvas's, if asked
 
     def _random_canvas(self) -> torch.Tensor:
         return torch.randint(
@@ -133,6 +138,7 @@ class UniformRow:
         if s.adaptive_stop:
             finished = self._stable() and bool(entropy.mean(dim=-1)[0] < s.stop_entropy)
         self.soft_logits = processed.to(dtype)
+        self.last_logits = processed
         self.remaining -= 1
         self.forwards += 1
         if not (finished or self.remaining == 0):
@@ -153,6 +159,10 @@ class UniformRow:
 
     def _finish_canvas(self) -> list[int]:
         canvas = self.argmax
+        if self.logprobs is not None:
+            self.canvas_logprobs = canvas_logprobs(
+                self.last_logits[0], canvas[0], self.logprobs, self.forwards
+            )
         self.canvases_done += 1
         self.to_encode = canvas[0]
         if self.canvases_done >= self.settings.canvases or bool(
@@ -160,6 +170,23 @@ class UniformRow:
         ):
             self.done = True
         return canvas[0].tolist()
+
+
+def canvas_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, top_n: int, step: int
+) -> list[TokenLogprob]:
+    """Each canvas token's log-probability under the last step's distribution (the logits at
+    that step's temperature, from which the token is the argmax), with `top_n` alternatives."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, tokens[:, None])[:, 0].tolist()
+    top_v, top_i = torch.topk(logp, top_n, dim=-1) if top_n else (None, None)
+    out = []
+    for pos, (token, value) in enumerate(zip(tokens.tolist(), chosen, strict=True)):
+        alts = ()
+        if top_v is not None:
+            alts = tuple(zip(top_i[pos].tolist(), top_v[pos].tolist(), strict=True))
+        out.append(TokenLogprob(token, value, step, alts))
+    return out
 
 
 def step_rows(model: DiffusionGemmaModel, rows: list[UniformRow]) -> list[list[int] | None]:

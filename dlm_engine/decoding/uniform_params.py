@@ -21,7 +21,7 @@ BUILT_IN = {
 }
 # request keys a DiffusionGemma request may set (besides these, only their defaults pass)
 ACCEPTED = frozenset(
-    ("max_tokens", "steps", "threshold", "seed", "stop", "stream_mode", "priority")
+    ("max_tokens", "steps", "threshold", "seed", "stop", "stream_mode", "priority", "logprobs")
     + UNIFORM_KEYS
     + ("tools", "tool_choice", "parallel_tool_calls")
 )

@@ -237,7 +237,7 @@ def test_engine_rows_equal_the_sampler_alone_and_batched(engine):
         ({"block_length": 8}, "block_length"),
         ({"t_min": 0.9, "t_max": 0.5}, "t_max"),
         ({"algorithm": "low_confidence"}, "algorithm"),
-        ({"logprobs": True}, "logprobs"),
+        ({"top_k": 5}, "top_k"),
     ],
 )
 def test_engine_refuses_keys_that_do_not_apply(engine, params, field):
@@ -262,3 +262,23 @@ def test_other_families_refuse_diffusion_gemma_keys():
             default_max_tokens=16,
         )
     assert err.value.field == "stop_entropy"
+
+
+def test_logprobs_of_the_canvas_tokens(engine):
+    """Each returned token gets its log-probability under the step that ended its canvas;
+    the token is that distribution's argmax, so it is also the first alternative. The tokens
+    are those of the same request without logprobs."""
+    prompt = _prompt(engine.loaded, "hi there")
+    keys = {"seed": 1, "max_tokens": 40}
+    plain = engine.generate([prompt], keys)[0]
+    rid = engine.add_request(None, prompt, keys | {"logprobs": 3})
+    outs = [o for o in engine.outputs() if o.request_id == rid]
+    out = outs[-1]
+    assert out.token_ids == plain.token_ids
+    entries = [e for o in outs for e in o.logprobs or []]  # each output brings its new ones
+    assert [e["token_id"] for e in entries] == out.token_ids
+    for e in entries:
+        assert e["logprob"] <= 0.0 and len(e["top_logprobs"]) == 3
+        assert e["top_logprobs"][0]["token_id"] == e["token_id"]
+        assert e["top_logprobs"][0]["logprob"] == pytest.approx(e["logprob"])
+        assert 1 <= e["step"] <= out.steps
