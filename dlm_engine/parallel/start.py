@@ -15,7 +15,7 @@ from ..config import EngineConfig
 from ..fp8_checkpoint import fp8_format
 from ..hub import resolve_checkpoint
 from ..loader import LoadedModel, load_checkpoint
-from ..models import Family, detect_family
+from ..models import Family, build_model, detect_family
 from .channel import Channel
 from .group import host_store, init_group, rank_device
 from .model import ParallelLM
@@ -38,6 +38,8 @@ def check_supported(config: EngineConfig, raw: dict[str, Any], family: Family) -
     if fp8_format(raw) is not None:
         raise ValueError(f"FP8 checkpoints are not supported with tensor_parallel_size {world} yet")
     rules_for(family.name)  # a family without a sharding table: a clear error
+    with torch.device("meta"):  # heads and widths that do not divide: refused before any start
+        shard_model(build_model(family, raw), family.name, world)
 
 
 def shard_reader(world: int, rank: int):

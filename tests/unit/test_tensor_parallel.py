@@ -12,6 +12,7 @@ import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,6 +136,21 @@ def test_unsupported_settings_are_refused_by_name(tmp_path) -> None:
     llada = str(make_tiny_checkpoint(tmp_path / "llada", "llada", seed=1))
     with pytest.raises(ValueError, match="quantization=int8 .* tensor_parallel_size 2"):
         Engine(EngineConfig(model=llada, tensor_parallel_size=2, quantization="int8"))
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide .*heads"):
+        Engine(EngineConfig(model=llada, tensor_parallel_size=3))  # 4 heads
+    assert not _any_worker_for(llada)
+
+
+def _any_worker_for(checkpoint: str) -> bool:
+    """A live worker rank process loading `checkpoint` (none may start for a refused one)."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            cmd = cmdline.read_bytes()
+        except OSError:
+            continue
+        if b"dlm_engine.parallel.worker_main" in cmd and checkpoint.encode() in cmd:
+            return True
+    return False
 
 
 def test_tensor_parallel_size_is_a_flag_an_env_var_and_a_parameter() -> None:
