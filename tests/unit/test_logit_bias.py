@@ -33,11 +33,15 @@ CASES = [
     ("llada", dict(max_tokens=16, steps=16, block_length=8, cache="dual")),
     ("dream", dict(max_tokens=16, steps=16)),
     ("dream", dict(max_tokens=16, steps=16, block_length=8, cache="prefix")),
+    ("llada", dict(max_tokens=16, block_length=8, multi_block=True)),  # d3LLM's rule
     ("sdar", dict(max_tokens=16, block_length=4)),
     ("sdar", dict(max_tokens=16, block_length=4, algorithm="low_confidence_static")),
     ("llada2", dict(max_tokens=16, block_length=4)),
 ]
-IDS = [f"{f}-{c.get('cache', c.get('algorithm', 'exact'))}" for f, c in CASES]
+IDS = [
+    f"{f}-{c.get('cache', c.get('algorithm', 'multi_block' if c.get('multi_block') else 'exact'))}"
+    for f, c in CASES
+]
 
 
 def _prompt(eng: Engine) -> list[int]:
@@ -169,3 +173,17 @@ def test_logprobs_stay_the_models_own(engines: dict[str, Engine]) -> None:
             entries += o.logprobs or []
     assert [e["token_id"] for e in entries] == [forced] * 8
     assert all(e["logprob"] < -0.5 for e in entries)  # a random model never favours q
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_grammar_rows_see_the_bias(
+    family: str, engines: dict[str, Engine], sdar: Engine, llada2: Engine
+) -> None:
+    """A banned first letter leaves the grammar one choice: the bias comes before its masks."""
+    eng = _family(family, engines, sdar, llada2)
+    base = dict(max_tokens=16, choice=["abc", "xyz"])
+    if family != "sdar":
+        base["steps"] = 16
+    for banned, want in (("a", "xyz"), ("x", "abc")):
+        case = dict(base, logit_bias={str(_letter(eng, banned)): -100})
+        assert eng.generate([_prompt(eng)], case)[0].text == want
