@@ -14,10 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import dlm_engine.engine as engine_module
 from dlm_engine import Engine, EngineConfig, InvalidRequestError, RequestOutput
-from dlm_engine.scoring import ScoreJob
+from dlm_engine.scoring import ScoreJob, ScoringQueue
 from dlm_triton.settings import resolve_settings
 
 GEN = {"max_tokens": 16, "steps": 16, "temperature": 0.8, "seed": 5}
@@ -235,3 +236,26 @@ def test_the_setting(ckpt_dir: dict[str, Path]) -> None:
     assert resolve_settings({"checkpoint": "x"}, environ={}).score_step_tokens is None
     with pytest.raises(ValueError, match="score_step_tokens"):
         resolve_settings({"checkpoint": "x", "score_step_tokens": "lots"}, environ={})
+
+
+def test_scoring_banks_at_most_one_chunk() -> None:
+    """Long generation steps do not let scoring save up a burst of forwards for later."""
+    queue = ScoringQueue(step_tokens=100, vocab=50)
+    queue.add(ScoreJob("s", list(range(30)), 64, torch.Generator(), 0))
+    assert queue.next_chunk()[1] == 3  # 100 // 30 texts a forward: 90 tokens
+    for _ in range(50):
+        queue.earn(10_000)  # big generation steps: at most 100 a step, banked up to 100
+    assert queue.credit == 100
+    assert queue.take_turn(generation_busy=True) is not None and queue.credit == 10
+    assert queue.take_turn(generation_busy=True) is None  # one chunk, then earn again
+    queue.earn(1)
+    assert queue.credit == 11  # half of 1, rounded up
+    assert queue.take_turn(generation_busy=False) is not None and queue.credit == 0
+
+    long = ScoringQueue(step_tokens=100, vocab=50)
+    long.add(ScoreJob("l", list(range(250)), 8, torch.Generator(), 0))
+    for _ in range(10):
+        long.earn(120)  # 60 a step
+    assert long.credit == 250  # a text longer than the budget: banked up to that one text
+    assert long.take_turn(generation_busy=True) == (long.jobs[0], 1) and long.credit == 0
+    assert long.remove("l") is not None and long.credit == 0 and not long
