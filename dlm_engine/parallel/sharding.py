@@ -3,17 +3,24 @@
 One table per family names its published tensors by pattern: `column` (output features
 split: q/k/v by heads, gate/up by intermediate size), `row` (input features split: attention
 output, MLP down; summed over ranks by `RowParallelLinear`), `vocab` (the untied output head,
-split by vocabulary rows: `VocabParallelHead`). Everything else (embeddings, norms, a head
-tied to the embedding) is replicated. Shards are cut before `fuse_projections`, so a rank's
-fused q/k/v is the concatenation of its own q, k and v shards.
+split by vocabulary rows: `VocabParallelHead`), `qkv` (a published fused q/k/v: each rank's
+heads of each part), `partial` (row-split, summed by its module's all-reduce: LLaDA2's MLPs,
+routed and shared experts together, tensor parallel inside every expert). Everything else
+(embeddings, norms, a head tied to the embedding, the MoE router) is replicated. Shards are
+cut before `fuse_projections`, so a rank's fused q/k/v (or stacked experts) is built from its
+own shards.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
@@ -21,30 +28,76 @@ from ..hub import weight_files
 from .layers import RowParallelLinear, VocabParallelHead
 
 COLUMN, ROW, VOCAB, REPLICATED = "column", "row", "vocab", "replicated"
+# a row-split layer whose partial output is summed over ranks by its module's all-reduce
+# (`FamilyRules.summed`), not its own: LLaDA2's MLPs, where the routed experts and the shared
+# expert add up before one all-reduce a layer
+PARTIAL = "partial"
+# a published fused q/k/v projection: each rank takes its heads of q, of k and of v
+QKV = "qkv"
+
+
+@dataclass(frozen=True)
+class FamilyRules:
+    """How one family's published tensors are split (first matching pattern wins; the rest
+    is replicated), which modules' outputs are all-reduced, and the q / k-or-v rows of a
+    fused q/k/v tensor."""
+
+    tensors: tuple[tuple[str, str], ...]
+    summed: tuple[str, ...] = ()
+    qkv_rows: Callable[[dict[str, Any]], tuple[int, int]] | None = None
+
 
 # LLaDA (`model.transformer.blocks.N.*`): the head `model.transformer.ff_out` is the vocab
 # slice; `blocks.N.ff_out` is the MLP's down projection.
-LLADA_RULES: tuple[tuple[str, str], ...] = (
-    (r"\.blocks\.\d+\.(q_proj|k_proj|v_proj|ff_proj|up_proj)\.(weight|bias)$", COLUMN),
-    (r"\.blocks\.\d+\.(attn_out|ff_out)\.(weight|bias)$", ROW),
-    (r"^model\.transformer\.ff_out\.(weight|bias)$", VOCAB),
+LLADA_RULES = FamilyRules(
+    (
+        (r"\.blocks\.\d+\.(q_proj|k_proj|v_proj|ff_proj|up_proj)\.(weight|bias)$", COLUMN),
+        (r"\.blocks\.\d+\.(attn_out|ff_out)\.(weight|bias)$", ROW),
+        (r"^model\.transformer\.ff_out\.(weight|bias)$", VOCAB),
+    )
 )
 # The Qwen layout (Dream: Qwen2; SDAR: Qwen3, whose per-head q/k norms are replicated).
-QWEN_RULES: tuple[tuple[str, str], ...] = (
-    (r"\.self_attn\.(q_proj|k_proj|v_proj)\.(weight|bias)$", COLUMN),
-    (r"\.mlp\.(gate_proj|up_proj)\.weight$", COLUMN),
-    (r"\.self_attn\.o_proj\.(weight|bias)$", ROW),
-    (r"\.mlp\.down_proj\.weight$", ROW),
-    (r"^lm_head\.weight$", VOCAB),
+QWEN_RULES = FamilyRules(
+    (
+        (r"\.self_attn\.(q_proj|k_proj|v_proj)\.(weight|bias)$", COLUMN),
+        (r"\.mlp\.(gate_proj|up_proj)\.weight$", COLUMN),
+        (r"\.self_attn\.o_proj\.(weight|bias)$", ROW),
+        (r"\.mlp\.down_proj\.weight$", ROW),
+        (r"^lm_head\.weight$", VOCAB),
+    )
 )
-RULES: dict[str, tuple[tuple[str, str], ...]] = {
+
+
+def _llada2_qkv_rows(config: dict[str, Any]) -> tuple[int, int]:
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    kv = int(config.get("num_key_value_heads") or heads)
+    return heads * head_dim, kv * head_dim
+
+
+# LLaDA2 (BailingMoeV2): fused `query_key_value`, `dense`; every MLP (the dense first layers,
+# each routed expert, the shared expert) split by its intermediate size; the router and its
+# expert bias replicated, so every rank routes every token alike.
+LLADA2_RULES = FamilyRules(
+    (
+        (r"\.attention\.query_key_value\.(weight|bias)$", QKV),
+        (r"\.attention\.dense\.(weight|bias)$", ROW),
+        (r"\.mlp\.(experts\.\d+\.|shared_experts\.)?(gate_proj|up_proj)\.weight$", COLUMN),
+        (r"\.mlp\.(experts\.\d+\.|shared_experts\.)?down_proj\.weight$", PARTIAL),
+        (r"^lm_head\.weight$", VOCAB),
+    ),
+    summed=(r"\.layers\.\d+\.mlp$",),
+    qkv_rows=_llada2_qkv_rows,
+)
+RULES: dict[str, FamilyRules] = {
     "llada": LLADA_RULES,
     "dream": QWEN_RULES,
     "sdar": QWEN_RULES,
+    "llada2": LLADA2_RULES,
 }
 
 
-def rules_for(family: str) -> tuple[tuple[str, str], ...]:
+def rules_for(family: str) -> FamilyRules:
     """The family's table, or a clear error naming the setting for a family without one."""
     if family not in RULES:
         raise ValueError(
@@ -54,9 +107,9 @@ def rules_for(family: str) -> tuple[tuple[str, str], ...]:
     return RULES[family]
 
 
-def kind_of(name: str, rules: tuple[tuple[str, str], ...]) -> str:
+def kind_of(name: str, rules: FamilyRules) -> str:
     """How the published tensor `name` is split across ranks."""
-    for pattern, kind in rules:
+    for pattern, kind in rules.tensors:
         if re.search(pattern, name):
             return kind
     return REPLICATED
@@ -68,6 +121,14 @@ def _split(n: int, world: int, what: str) -> int:
     return n // world
 
 
+def _sum_over_ranks(group):
+    def hook(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(out, group=group)
+        return out
+
+    return hook
+
+
 def shard_model(model: nn.Module, family: str, world: int, group=None) -> None:
     """Turn a model built on the meta device into one rank's shard of it: column layers
     with 1/world of their outputs, row layers with 1/world of their inputs (all-reduced),
@@ -77,16 +138,23 @@ def shard_model(model: nn.Module, family: str, world: int, group=None) -> None:
         if hasattr(module, "n_heads") and hasattr(module, "n_kv_heads"):
             module.n_heads = _split(module.n_heads, world, f"{name} attention heads")
             module.n_kv_heads = _split(module.n_kv_heads, world, f"{name} key/value heads")
+        if any(re.search(p, name) for p in rules.summed):
+            module.register_forward_hook(_sum_over_ranks(group))
         if type(module) is not nn.Linear:
             continue
         kind = kind_of(f"{name}.weight", rules)
         bias = module.bias is not None
-        if kind == COLUMN:
+        if kind in (COLUMN, QKV):
             out = _split(module.out_features, world, f"{name} outputs")
             new: nn.Linear = nn.Linear(module.in_features, out, bias=bias)
         elif kind == ROW:
             inp = _split(module.in_features, world, f"{name} inputs")
             new = RowParallelLinear(inp, module.out_features, bias, group)
+        elif kind == PARTIAL:
+            if bias:  # every rank would add it before the sum
+                raise ValueError(f"{name}: a partial row layer with a bias is not supported")
+            inp = _split(module.in_features, world, f"{name} inputs")
+            new = nn.Linear(inp, module.out_features, bias=False)
         elif kind == VOCAB:
             new = VocabParallelHead(module.in_features, module.out_features, world, bias, group)
         else:
@@ -95,13 +163,18 @@ def shard_model(model: nn.Module, family: str, world: int, group=None) -> None:
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
 
 
-def _slice(sl, kind: str, name: str, rank: int, world: int) -> torch.Tensor:
+def _slice(sl, kind: str, rank: int, world: int, qkv: tuple[int, int] | None) -> torch.Tensor:
     """This rank's part of the safetensors slice `sl` (only those bytes are read)."""
     shape = sl.get_shape()
     if kind == COLUMN:
         n = shape[0] // world
         return sl[rank * n : (rank + 1) * n]
-    if kind == ROW and len(shape) == 2:  # a row layer's bias is whole, added after the sum
+    if kind == QKV and qkv is not None:  # [q; k; v] rows: this rank's heads of each
+        q_rows, kv_rows = qkv
+        q, kv = q_rows // world, kv_rows // world
+        starts = (rank * q, q_rows + rank * kv, q_rows + kv_rows + rank * kv)
+        return torch.cat([sl[a : a + n] for a, n in zip(starts, (q, kv, kv), strict=True)])
+    if kind in (ROW, PARTIAL) and len(shape) == 2:  # a row layer's bias is whole
         n = shape[1] // world
         return sl[:, rank * n : (rank + 1) * n]
     if kind == VOCAB:
@@ -116,15 +189,22 @@ def _slice(sl, kind: str, name: str, rank: int, world: int) -> torch.Tensor:
 
 
 def read_shard(
-    path: Path, family: str, rank: int, world: int, device: torch.device, dtype: torch.dtype
+    path: Path,
+    family: str,
+    config: dict[str, Any],
+    rank: int,
+    world: int,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> dict[str, torch.Tensor]:
     """Rank `rank`'s slice of every published tensor, cast to `dtype` when floating."""
     rules = rules_for(family)
+    qkv = rules.qkv_rows(config) if rules.qkv_rows is not None else None
     state: dict[str, torch.Tensor] = {}
     for f in weight_files(path):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
-                t = _slice(sf.get_slice(name), kind_of(name, rules), name, rank, world)
+                t = _slice(sf.get_slice(name), kind_of(name, rules), rank, world, qkv)
                 t = t.to(dtype) if t.is_floating_point() else t
                 state[name] = t.to(device)
     return state

@@ -54,7 +54,7 @@ def shard_reader(world: int, rank: int):
         dtype: torch.dtype,
     ) -> dict[str, torch.Tensor]:
         shard_model(model, family.name, world)
-        return read_shard(path, family.name, rank, world, device, dtype)
+        return read_shard(path, family.name, config, rank, world, device, dtype)
 
     return read
 

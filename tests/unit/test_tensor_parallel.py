@@ -1,8 +1,9 @@
 """Tensor parallelism on CPU: 2 real ranks (rank 0 here, rank 1 a worker process) over a gloo
 process group. TP=2 must give the tokens of TP=1 (greedy, float32) for single requests and
-batched unlike rows, in every mode (exact, Fast-dLLM cached, block diffusion), and one
-forward's logits allclose (a rank's all-reduce sums in another order than one matmul). A
-killed worker is a clear error at rank 0's next forward, and no worker outlives its engine.
+batched unlike rows, in every mode (exact, Fast-dLLM cached, block diffusion, LLaDA2's
+experts), and one forward's logits allclose (a rank's all-reduce sums in another order than
+one matmul). A killed worker is a clear error at rank 0's next forward, and no worker
+outlives its engine.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dlm_engine import Engine, EngineConfig
 from dlm_engine.parallel import ParallelLM, TensorParallelError
 from dlm_engine.reference import full_logits
 from dlm_engine.testing import make_tiny_checkpoint
+from dlm_engine.testing_diffusion_gemma import make_tiny_diffusion_gemma
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -37,7 +39,7 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tp")
     return {
         fam: str(make_tiny_checkpoint(root / fam, fam, seed=1))
-        for fam in ("llada", "dream", "sdar")
+        for fam in ("llada", "dream", "sdar", "llada2")
     }
 
 
@@ -112,6 +114,12 @@ def test_sdar_block_diffusion_tp2_equals_tp1(ckpts) -> None:
     _check_family(ckpts["sdar"], [{"max_tokens": 16}, {"max_tokens": 12}, {"max_tokens": 20}])
 
 
+def test_llada2_moe_tp2_equals_tp1(ckpts) -> None:
+    """Attention heads split from the published fused q/k/v, every expert's intermediate
+    size split (one all-reduce per MoE layer), routing replicated; block diffusion pages."""
+    _check_family(ckpts["llada2"], [{"max_tokens": 16}, {"max_tokens": 40}, {"max_tokens": 20}])
+
+
 def test_killed_worker_is_a_clear_error(ckpts) -> None:
     with tp_engine(ckpts["dream"]) as engine:
         pid = engine.runner.model.workers.pids[0]
@@ -128,11 +136,9 @@ def test_killed_worker_is_a_clear_error(ckpts) -> None:
 def test_unsupported_settings_are_refused_by_name(tmp_path) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(model="x", tensor_parallel_size=0)
-    llada2 = str(make_tiny_checkpoint(tmp_path / "llada2", "llada2", seed=1))
-    with pytest.raises(
-        ValueError, match="tensor_parallel_size > 1 is not supported for the llada2"
-    ):
-        Engine(EngineConfig(model=llada2, tensor_parallel_size=2))
+    gemma = str(make_tiny_diffusion_gemma(tmp_path / "gemma"))
+    with pytest.raises(ValueError, match="not supported for the diffusion_gemma family"):
+        Engine(EngineConfig(model=gemma, tensor_parallel_size=2))
     llada = str(make_tiny_checkpoint(tmp_path / "llada", "llada", seed=1))
     with pytest.raises(ValueError, match="quantization=int8 .* tensor_parallel_size 2"):
         Engine(EngineConfig(model=llada, tensor_parallel_size=2, quantization="int8"))
