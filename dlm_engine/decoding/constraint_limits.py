@@ -57,12 +57,13 @@ def _env_ms(name: str, default: float) -> float:
         return default
 
 
-# CPU time one constrained token may cost (its mask and consuming it), on average over the
+# CPU time one constrained token may cost (its mask and consuming it), typically over the
 # probe walk, and the same times the tokens a row commits in one step; over either the request
 # is refused. JSON schemas cost tens of microseconds a token.
 TOKEN_BUDGET_MS = _env_ms("DLM_CONSTRAINT_TOKEN_BUDGET_MS", 2.0)
 STEP_BUDGET_MS = _env_ms("DLM_CONSTRAINT_STEP_BUDGET_MS", 16.0)
 PROBE_TOKENS = 16  # tokens walked at validation
+ONE_TOKEN_LIMIT = 25  # no single token of the walk may cost more than this many budgets
 
 
 def check_value(field: str, value: Any) -> None:

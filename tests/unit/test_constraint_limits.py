@@ -249,3 +249,37 @@ def test_tokens_per_step(engine: Engine) -> None:
     p = engine.resolve_params(dict(max_tokens=32, steps=8, block_length=32))
     assert tokens_per_step(p) == 4
     assert tokens_per_step(replace(p, threshold=0.9)) == 32
+
+
+class _Clock:
+    """thread_time() for the walk: token i costs `costs[i]` seconds."""
+
+    def __init__(self, costs: list[float]) -> None:
+        self.costs, self.now, self.calls = costs, 0.0, 0
+
+    def __call__(self) -> float:
+        if self.calls % 2:  # the second read of a token: its cost has passed
+            self.now += self.costs[min(self.calls // 2, len(self.costs) - 1)]
+        self.calls += 1
+        return self.now
+
+
+@pytest.mark.parametrize(
+    ("costs_ms", "accepted"),
+    [
+        ([30.0] + [0.05] * 15, True),  # a first mask that builds lexer states, then cheap
+        ([3.0] * 16, False),  # every token over the 2 ms budget
+        ([0.05] * 8 + [60.0] + [0.05] * 7, False),  # one token over 25 budgets
+    ],
+)
+def test_the_walk_judges_the_typical_token(
+    engine: Engine, monkeypatch, costs_ms: list[float], accepted: bool
+) -> None:
+    fresh = GrammarCompiler(engine.tokenizer, engine.runner.model_vocab, engine.loaded.eos_id)
+    monkeypatch.setattr(grammar.time, "thread_time", _Clock([c / 1e3 for c in costs_ms]))
+    c = parse_constraint({"regex": "[a-z]{20}"})  # 16 tokens to walk
+    if accepted:
+        assert fresh.check(c).token_ms == pytest.approx(0.05)
+    else:
+        with pytest.raises(InvalidRequestError, match="ms of CPU a token"):
+            fresh.check(c)
