@@ -61,6 +61,10 @@ class EngineLoop:
         self._stop.set()
         self._inbox.put(("wake",))
         self._thread.join(timeout)
+        # a tensor-parallel model's worker ranks stop with the loop (by PID, reaped)
+        close = getattr(getattr(self.engine.runner, "model", None), "close", None)
+        if close is not None and not self._thread.is_alive():
+            close()
 
     def _run(self) -> None:
         use_threads(self.torch_threads)

@@ -9,6 +9,7 @@ outlives its engine.
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import time
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlm_engine import Engine, EngineConfig
+from dlm_engine import Engine, EngineConfig, EngineLoop
 from dlm_engine.parallel import ParallelLM, TensorParallelError
 from dlm_engine.reference import full_logits
 from dlm_engine.testing import make_tiny_checkpoint
@@ -131,6 +132,30 @@ def test_killed_worker_is_a_clear_error(ckpts) -> None:
         ):
             engine.generate(_prompts(engine)[:1], {"max_tokens": 8, "steps": 8})
         assert time.monotonic() - started < 10  # an error, not a hang
+
+
+def test_served_loop_fails_rows_on_a_dead_worker_and_stops_the_rest(ckpts) -> None:
+    """Behind `EngineLoop` (how servers run the engine): a dead worker fails the running
+    request with the error naming it, the loop lives on, and its shutdown reaps the workers."""
+    with tp_engine(ckpts["llada"]) as engine:
+        loop = EngineLoop(engine, torch_threads=1)
+        finals: queue.Queue = queue.Queue()
+        prompt = _prompts(engine)[0]
+
+        def final(rid: str):
+            params = engine.resolve_params({"max_tokens": 8, "steps": 8})
+            loop.submit(rid, prompt, params, lambda o: finals.put(o) if o.finished else None)
+            return finals.get(timeout=60)
+
+        ok = final("a")
+        assert ok.error is None and len(ok.token_ids) > 0
+        worker = engine.runner.model.workers.procs[0]
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=10)
+        failed = final("b")
+        assert f"worker rank 1 (pid {worker.pid}) exited with signal SIGKILL" in failed.error
+        loop.shutdown()
+        assert engine.runner.model.workers.stopped
 
 
 def test_unsupported_settings_are_refused_by_name(tmp_path) -> None:
