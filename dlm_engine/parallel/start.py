@@ -84,6 +84,9 @@ def start_tensor_parallel(config: EngineConfig) -> LoadedModel:
         "port": store.port,
         "timeout_s": TIMEOUT_S,
         "threads": torch.get_num_threads() if torch.device(config.device).type == "cpu" else 0,
+        # the model runner compiles the elementwise pieces on CUDA: every rank alike, so the
+        # replicated hidden states (and LLaDA2's routing of them) agree bit for bit
+        "fused_kernels": bool(config.fused_kernels),
     }
     workers = WorkerSet(spec, world, store)
     try:

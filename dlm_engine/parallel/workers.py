@@ -167,6 +167,10 @@ def worker_main(spec: dict[str, Any]) -> int:
         torch.set_num_threads(int(spec["threads"]))
     store = join_store(int(spec["port"]), world, float(spec["timeout_s"]))
     device = rank_device(spec["device"], rank)
+    if device.type == "cuda" and spec.get("fused_kernels"):  # as rank 0's ModelRunner does
+        from ..models.common import FusedKernels
+
+        FusedKernels.enabled = True
     init_group(store, rank, world, device, float(spec["timeout_s"]))
     try:
         loaded = load_rank(spec, rank, world)
