@@ -251,6 +251,7 @@ class Engine:
             mask_id=self.mask_id,
             device=self.loaded.device,
             stop_ids=self.stop_ids,
+            eos_id=self.loaded.eos_id,
         )
         seq.constraint = self.structured.row_constraint(resolved)
         if not self.runner.fits_pool(seq):

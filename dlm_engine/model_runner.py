@@ -436,6 +436,9 @@ class ModelRunner:
             guard.errors.update(constrained.failed)
         valid = torch.arange(logits.shape[1], device=dev)[None, :] < widths[:, None]
         masked = (current == self.mask_id) & valid
+        stale = _early_stop_stale(seqs, masked.shape[1])
+        if stale is not None:  # early stop's fill: still candidates this step (as d3LLM)
+            masked |= to_device(stale, dev) & valid
         extra = {} if plan.simple else plan.scores(logits)  # before propose edits logits
         if plan.joint is not None:  # token editing reads the window's decoded tokens
             extra["current"], extra["decoded"] = current, ~masked & valid
@@ -502,3 +505,20 @@ class ModelRunner:
 
                 guard.run(i, by_alg_temp)
         return chosen
+
+
+def _early_stop_stale(seqs: list[Sequence], width: int) -> list[list[bool]] | None:
+    """Multi-block rows whose early stop has just filled masks after end-of-text: per row,
+    which window positions were masks before the fill (None when no row has any)."""
+    if not any(s.multi is not None and s.multi.stale for s in seqs):
+        return None
+    out = []
+    for s in seqs:
+        row = [False] * width
+        if s.multi is not None:
+            lo = s.window_start - s.prompt_len
+            for pos in s.multi.stale:
+                if lo <= pos < lo + s.window_width:
+                    row[pos - lo] = True
+        out.append(row)
+    return out

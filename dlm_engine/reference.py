@@ -351,6 +351,49 @@ def _d3llm_grow_blocks(
     return next_id
 
 
+def _d3llm_early_stop(
+    x: torch.Tensor,
+    blocks: dict[int, dict],
+    next_id: int,
+    *,
+    eos_id: int,
+    p_len: int,
+    num_blocks: int,
+    block_size: int,
+    mask_id: int,
+    **_: float,
+) -> int:
+    """d3LLM's `handle_early_stop` (LLaDA and Dream alike), in place: with an end-of-text token
+    in the generated part, every position after the first one becomes end-of-text; a block
+    starting after it that still counts masks gets none and is activated; the block holding it
+    counts the masks up to and including it, and is activated if that count changed to none;
+    the blocks not yet added are added with no mask, activated. (Dream then recounts every
+    block from the canvas: the same counts.) Returns the next block id."""
+    hits = (x[0, p_len:] == eos_id).nonzero()
+    if hits.numel() == 0:
+        return next_id
+    first = p_len + int(hits[0, 0])
+    x[:, first + 1 :] = eos_id
+    for bid in sorted(blocks):
+        b = blocks[bid]
+        if bid == 0:
+            continue
+        if b["start"] > first:
+            if b["masks"] != 0:
+                b["masks"], b["active"] = 0, True
+        elif b["start"] <= first < b["end"]:
+            before = int((x[:, b["start"] : first + 1] == mask_id).sum())
+            if before != b["masks"]:
+                b["masks"] = before
+                b["active"] = b["active"] or before == 0
+    while next_id <= num_blocks:
+        start = p_len + (next_id - 1) * block_size
+        blocks[next_id] = dict(start=start, end=start + block_size, masks=0, total=block_size,
+                               active=True)  # fmt: skip
+        next_id += 1
+    return next_id
+
+
 def _d3llm_active_end(blocks: dict[int, dict]) -> int | None:
     """End of the rightmost block that is active or still holds masks (None: none is)."""
     rightmost = 0
@@ -418,9 +461,11 @@ def d3llm_multi_block_generate(
     threshold: float,
     block_add_threshold: float,
     decoded_token_threshold: float,
+    eos_id: int | None = None,
 ) -> torch.Tensor:
     """hao-ai-lab/d3LLM `generate_multi_block` (LLaDA) / `_sample_multi_block` (Dream, as
-    SGLang PR #20615's `FullAttnMultiBlock`), without cache or early stop, batch 1.
+    SGLang PR #20615's `FullAttnMultiBlock`), without cache, batch 1; with `eos_id`, its
+    `early_stop=True` (the published runs' setting; see `_d3llm_early_stop`).
 
     Blocks of `block_size` after the prompt (block 0, complete). Each iteration: a block
     whose predecessor has decoded >= decoded_token_threshold of its tokens becomes fully
@@ -430,7 +475,11 @@ def d3llm_multi_block_generate(
     or still holds masks. Full forward; float64 entropy (eps 1e-12). LLaDA commits the
     lowest-entropy mask and every mask with entropy <= threshold; Dream (shifted logits)
     every mask with entropy < threshold. If the first activated block still holding masks
-    got none, its lowest-entropy mask is committed. Mask counts drop by the commits."""
+    got none, its lowest-entropy mask is committed. Mask counts drop by the commits.
+
+    Early stop runs right after the loop's end check, before activation: the step's mask
+    set is the one taken before it, as upstream, so the positions its fill takes from the mask
+    remain candidates of that step (their commits are overwritten by the next fill)."""
     x = F.pad(prompt, (0, gen_length), value=mask_id)
     p_len = prompt.shape[1]
     num_blocks = gen_length // block_size
@@ -450,6 +499,10 @@ def d3llm_multi_block_generate(
         mask_index = x == mask_id
         if not mask_index[:, p_len:].any() and next_id > num_blocks:
             break
+        if eos_id is not None:
+            next_id = _d3llm_early_stop(x, blocks, next_id, eos_id=eos_id, **grow)
+            if not (x[:, p_len:] == mask_id).any():
+                break
         next_id = _d3llm_grow_blocks(blocks, next_id, x, **grow)
         active_end = _d3llm_active_end(blocks)
         if active_end is None:

@@ -358,6 +358,7 @@ class Acceleration:
     max_active_blocks: int | None = None  # None: as many as the thresholds add (d3LLM)
     cache_delay_iter: int = DEFAULT_CACHE_DELAY_ITER  # multi_block with cache prefix only
     refresh_interval: int | None = None  # None: never
+    early_stop: bool = False  # d3LLM's early_stop: end-of-text fills the canvas after it
 
 
 def apply_model_defaults(p: SamplingParams, defaults: dict[str, Any] | None) -> SamplingParams:
@@ -365,10 +366,14 @@ def apply_model_defaults(p: SamplingParams, defaults: dict[str, Any] | None) -> 
     if not defaults:
         return p
     rule_given = any(getattr(p, k) is not None for k in _RULE_KEYS)
+    # d3LLM's early stop is published for its no-cache loop (see resolve_acceleration)
+    skip = ("early_stop",) if resolve_cache(p) == "prefix" else ()
     fill = {
         k: v
         for k, v in defaults.items()
-        if getattr(p, k, None) is None and not (rule_given and k in _RULE_KEYS + _MB_KEYS)
+        if getattr(p, k, None) is None
+        and not (rule_given and k in _RULE_KEYS + _MB_KEYS + ("early_stop",))
+        and k not in skip
     }
     if not fill:
         return p
@@ -412,7 +417,7 @@ def wants_multi_block(p: SamplingParams) -> bool:
     """`multi_block: true`, or one of its own keys given without `multi_block: false`."""
     if p.multi_block is not None:
         return bool(p.multi_block)
-    return any(getattr(p, k) is not None for k in _MB_KEYS + _MB_CACHE_KEYS)
+    return bool(p.early_stop) or any(getattr(p, k) is not None for k in _MB_KEYS + _MB_CACHE_KEYS)
 
 
 def resolve_cache(p: SamplingParams) -> str:
@@ -455,8 +460,8 @@ def resolve_acceleration(
     multi = wants_multi_block(p)
     cache = resolve_cache(p)
     if not multi:
-        for key in _MB_KEYS + _MB_CACHE_KEYS:
-            if getattr(p, key) is not None:
+        for key in (*_MB_KEYS, *_MB_CACHE_KEYS, "early_stop"):
+            if getattr(p, key) not in (None, False):
                 raise InvalidRequestError(key, "applies to multi_block decoding only (not false)")
     else:
         if algorithm not in MULTI_BLOCK_RULES:
@@ -481,6 +486,10 @@ def resolve_acceleration(
         _unit("decoded_token_threshold", p.decoded_token_threshold)
         if p.max_active_blocks is not None and p.max_active_blocks < 1:
             raise InvalidRequestError("max_active_blocks", "must be >= 1")
+        if p.early_stop and cache == "prefix":
+            raise InvalidRequestError(
+                "early_stop", "not with d3LLM's delayed cache (cache: prefix); send false"
+            )
     if algorithm in ACCELERATED_ALGORITHMS and p.alg_temp:
         raise InvalidRequestError("alg_temp", f"does not apply to algorithm {algorithm}")
 
@@ -498,6 +507,7 @@ def resolve_acceleration(
         max_active_blocks=p.max_active_blocks,
         cache_delay_iter=pick(p.cache_delay_iter, DEFAULT_CACHE_DELAY_ITER),
         refresh_interval=p.refresh_interval,
+        early_stop=bool(p.early_stop),
     )
 
 
@@ -526,6 +536,7 @@ _NOT_FOR_BLOCKS = {
     "leap_radius": lambda p: p.leap_radius is not None,
     "cache_delay_iter": lambda p: p.cache_delay_iter is not None,
     "refresh_interval": lambda p: p.refresh_interval is not None,
+    "early_stop": lambda p: bool(p.early_stop),
 }
 
 

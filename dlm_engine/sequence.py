@@ -35,6 +35,7 @@ class Sequence:
         mask_id: int,
         device: torch.device,
         stop_ids: frozenset[int] = frozenset(),
+        eos_id: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -96,6 +97,7 @@ class Sequence:
                 )
                 if params.cache == "prefix"
                 else None,
+                eos_id=eos_id if params.accel.early_stop else None,
             )
             if params.accel.multi_block
             else None
@@ -215,6 +217,9 @@ class Sequence:
         if self.multi is not None:
             self.forwards += 1
             self.multi.absorb(self.canvas, self.mask_id)
+            fill = self.multi.fill_from
+            if fill is not None:  # early stop rewrote the canvas after end-of-text
+                self.tokens[self.prompt_len + fill :] = self.multi.eos_id
             return
         self.masks_in_block = sum(1 for t in window_tokens if t == self.mask_id)
         self.forwards += 1

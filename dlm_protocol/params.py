@@ -639,6 +639,17 @@ ACCELERATION_PARAMS: tuple[Param, ...] = (
         examples=(4, 0),
     ),
     Param(
+        "early_stop",
+        BOOL,
+        "multi_block: once the canvas holds the end-of-text token, every position after the "
+        "first one becomes end-of-text and the blocks past it close (d3LLM's `early_stop`), "
+        "which can change the tokens before it (without, the output is only cut there).",
+        default_doc="`false` (`true` for d3LLM checkpoints, as published)",
+        relations="only with `multi_block` (`true` implies it when `multi_block` is not "
+        "given); not with `cache: prefix`",
+        examples=(True, "yes"),
+    ),
+    Param(
         "cache_delay_iter",
         INT,
         "multi_block with `cache: prefix` (d3LLM's delayed KV cache): a decoded block's keys "

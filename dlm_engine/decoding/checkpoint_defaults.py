@@ -6,11 +6,12 @@ settings (LLaDA's holds only bos/eos ids; Dream's is Dream's own, `alg: origin`)
 settings they were evaluated and served with are published in the d3LLM repository (chat
 scripts, eval scripts, README's SGLang table): multi-block decoding with the entropy
 threshold 0.5 (LLaDA) / 0.4 (Dream), block_add_threshold 0.1, decoded_token_threshold 0.95,
-blocks of 32. So:
+blocks of 32, with `early_stop=True` (end-of-text fills the rest of the canvas and the blocks
+past it close; not with the delayed cache, see `sampling_params.apply_model_defaults`). So:
 
 1. decoding keys a generation config does carry under d3LLM's names (`threshold`,
    `block_add_threshold`, `decoded_token_threshold`, `block_size`, `alg: entropy_threshold`,
-   `multi_block`) are used as the model's defaults;
+   `multi_block`, `early_stop`) are used as the model's defaults;
 2. a d3LLM checkpoint (its model card tags `d3llm`, or its config or directory names d3LLM)
    gets the
    published settings above for whatever (1) left unset.
@@ -30,12 +31,13 @@ D3LLM_DEFAULTS: dict[str, dict[str, Any]] = {
     # eval_scripts/dream_gsm8k_cot.sh, README (SGLang, tau 0.4)
     "dream": {"multi_block": True, "algorithm": "entropy_threshold", "threshold": 0.4},
 }
-_SHARED = {"block_add_threshold": 0.1, "decoded_token_threshold": 0.95}
+_SHARED = {"block_add_threshold": 0.1, "decoded_token_threshold": 0.95, "early_stop": True}
 _GEN_KEYS = {
     "threshold": "threshold",
     "block_add_threshold": "block_add_threshold",
     "decoded_token_threshold": "decoded_token_threshold",
     "multi_block": "multi_block",
+    "early_stop": "early_stop",
 }
 
 

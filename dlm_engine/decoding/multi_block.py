@@ -15,6 +15,12 @@ With `cache: prefix`, `DelayedCache` adds d3LLM's delayed KV cache
 `reference.d3llm_multi_block_cached_generate`): a decoded block's keys are cached once it has
 stayed decoded `cache_delay_iter` steps. Each step is one of: a full forward (no cache yet, or a refresh), a caching step or a
 span step (the suffix from the cache's end over the row's pool slot).
+
+With `early_stop` (d3LLM's `handle_early_stop`, restated in
+`reference.d3llm_multi_block_generate`), the first end-of-text token of the canvas fills every
+position after it with end-of-text before each step, and the blocks past it close; the
+positions this fill took from the mask stay candidates of that one step, as upstream (its mask
+set is taken before the fill), and a commit there is undone by the next fill.
 """
 
 from __future__ import annotations
@@ -48,9 +54,13 @@ class MultiBlockState:
         accel: Acceleration,
         *,
         cache: DelayedCache | None = None,
+        eos_id: int | None = None,
     ) -> None:
         self.cache = cache
         self.block = block
+        self.eos_id = eos_id  # early stop's fill token; None: off
+        self.fill_from: int | None = None  # canvas-relative start of the last fill to copy
+        self.stale: tuple[int, ...] = ()  # positions the last fill took from the mask
         self.num_blocks = canvas_len // block
         self.add_at = accel.block_add_threshold
         self.activate_at = accel.decoded_token_threshold
@@ -92,12 +102,42 @@ class MultiBlockState:
         return None if b is None else (b.start, b.end)
 
     def absorb(self, canvas: list[int], mask_id: int) -> None:
-        """Recount each block's masks from the canvas after a step, then prepare the next."""
+        """Recount each block's masks from the canvas after a step, apply early stop (which
+        may rewrite `canvas` in place), then prepare the next step."""
         for b in self.blocks:
             b.masks = sum(1 for t in canvas[b.start : b.end] if t == mask_id)
+        self.fill_from, self.stale = None, ()
+        if self.eos_id is not None:
+            self._early_stop(canvas, mask_id)
         self.prepare()
         if self.cache is not None:
             self.cache.planned = None
+
+    def _early_stop(self, canvas: list[int], mask_id: int) -> None:
+        """d3LLM's early stop at the top of a step: end-of-text after the first one; a block
+        past it holding masks closes (no mask, activated), the block holding it counts its
+        masks up to it (activated when that count changed to none), and the blocks not yet
+        added are added closed."""
+        eos = self.eos_id
+        first = next((i for i, t in enumerate(canvas) if t == eos), None)
+        if first is None:
+            return
+        tail = canvas[first + 1 :]
+        self.stale = tuple(first + 1 + i for i, t in enumerate(tail) if t == mask_id)
+        if any(t != eos for t in tail):
+            self.fill_from = first + 1
+            canvas[first + 1 :] = [eos] * len(tail)
+        for b in self.blocks:
+            if b.start > first and b.masks:
+                b.masks, b.active = 0, True
+            elif b.start <= first < b.end:
+                before = sum(1 for t in canvas[b.start : first + 1] if t == mask_id)
+                if before != b.masks:
+                    b.masks = before
+                    b.active = b.active or before == 0
+        while len(self.blocks) < self.num_blocks:
+            start = self.blocks[-1].end
+            self.blocks.append(Block(start, start + self.block, 0, True))
 
     def cache_step(self) -> tuple[str, int]:
         """Delayed cache: this step's kind and the canvas-relative start of its query (see

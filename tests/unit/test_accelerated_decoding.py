@@ -273,5 +273,5 @@ def test_d3llm_checkpoint_defaults_to_its_published_decoding(d3llm, family, tau)
     out = eng.generate([prompt], dict(max_tokens=32, block_length=8))[0]
     ref = _ref(eng, d3llm_multi_block_generate, prompt, family=family, gen_length=32,
                block_size=8, threshold=tau, block_add_threshold=0.1,
-               decoded_token_threshold=0.95)  # fmt: skip
+               decoded_token_threshold=0.95, eos_id=eng.loaded.eos_id)  # fmt: skip
     assert out.token_ids == ref
