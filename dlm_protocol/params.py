@@ -296,7 +296,8 @@ PARAMS: tuple[Param, ...] = (
         ),
         relations="at most `max_tokens`, divisible by the number of blocks "
         "(`max_tokens / block_length`); block-diffusion models (SDAR, LLaDA2): steps per "
-        "block, at most `block_length`, default `block_length`",
+        "block, at most `block_length`, default `block_length`; DiffusionGemma: "
+        "`max_denoising_steps` per canvas, default the checkpoint's",
         examples=(8, 0),
     ),
     Param(
@@ -339,7 +340,8 @@ PARAMS: tuple[Param, ...] = (
         exclusive_minimum=True,
         relations="in (0, 1] for confidence rules; with `entropy_threshold` (and `multi_block`) "
         f"an entropy bound in nats, (0, {MAX_ENTROPY_THRESHOLD:g}]; not with `random`, `origin` "
-        "or `entropy` (no confidence in [0, 1])",
+        "or `entropy` (no confidence in [0, 1]); DiffusionGemma: its sampler's "
+        "`entropy_bound`, default the checkpoint's",
         aliases=("confidence_threshold", "eb_threshold", "accept_threshold", "entropy_bound"),
         examples=(0.9, 25),
     ),
