@@ -1,6 +1,6 @@
 """What rank 0 tells the workers each forward: a small JSON header through the store (the
 command, tensor shapes and dtypes, the attention layout, the KV pools' shapes) and then the
-tensors themselves by `torch.distributed.broadcast` from rank 0.
+tensors themselves by `torch.distributed.broadcast` from rank 0, one flat broadcast per dtype.
 
 A worker waits for the next header on the store in short rounds, checking between rounds
 that rank 0 still lives: an idle engine never makes a collective time out. Headers are JSON,
@@ -10,6 +10,7 @@ never pickles, so nothing read from the store is executed.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -34,8 +35,8 @@ class Channel:
         self.store.set(f"cmd/{self.n}", json.dumps(header))
         if self.n > 2:  # every worker read it: each command ends in a collective with them
             self.store.delete_key(f"cmd/{self.n - 2}")
-        for t in tensors:
-            dist.broadcast(t.contiguous(), src=0)
+        for _, group in _by_dtype([t.dtype for t in tensors]):  # one broadcast per dtype
+            dist.broadcast(torch.cat([tensors[i].reshape(-1) for i in group]), src=0)
 
     def receive(
         self, device: torch.device, alive: Callable[[], bool]
@@ -52,11 +53,22 @@ class Channel:
                     return None
         self.n += 1
         header = json.loads(self.store.get(key))
-        tensors = []
-        for shape, dtype in header["tensors"]:
-            t = torch.empty(
-                shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device
-            )
-            dist.broadcast(t, src=0)
-            tensors.append(t)
+        shapes = [shape for shape, _ in header["tensors"]]
+        dtypes = [getattr(torch, d.removeprefix("torch.")) for _, d in header["tensors"]]
+        tensors: list[torch.Tensor] = [torch.empty(0)] * len(shapes)
+        for dtype, group in _by_dtype(dtypes):
+            sizes = [math.prod(shapes[i]) for i in group]
+            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+            dist.broadcast(flat, src=0)
+            for i, part in zip(group, flat.split(sizes), strict=True):
+                tensors[i] = part.view(shapes[i])
         return header, tensors
+
+
+def _by_dtype(dtypes: list[torch.dtype]) -> list[tuple[torch.dtype, list[int]]]:
+    """Tensor indices grouped by dtype, in order of first appearance: rank 0 and the workers
+    derive the same groups from the header's order."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, d in enumerate(dtypes):
+        groups.setdefault(d, []).append(i)
+    return list(groups.items())
