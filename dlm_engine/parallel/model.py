@@ -135,6 +135,9 @@ class ParallelLM(nn.Module):
         self.head_dim = local.head_dim
         self.rope_theta = local.rope_theta
         self.arch = local_arch(local.arch, local)
+        # why a forward failed: the workers may still wait inside it, so later calls are
+        # refused (restart the engine) instead of pairing with the wrong collectives
+        self.broken: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -152,10 +155,13 @@ class ParallelLM(nn.Module):
 
     def _call(self, header: dict[str, Any], tensors: list[torch.Tensor], run):
         self.workers.check()
+        if self.broken is not None:  # the ranks may be out of step: never run on
+            raise TensorParallelError(f"an earlier tensor-parallel forward failed ({self.broken})")
         try:
             self.channel.send(header, tensors)
             return run()
         except Exception as exc:
+            self.broken = f"{type(exc).__name__}: {exc}"
             self.workers.check()  # a dead worker is the clearer cause
             raise TensorParallelError(f"tensor-parallel forward failed: {exc}") from exc
 

@@ -58,7 +58,7 @@ class WorkerSet:
         )
         self._keeper.start()
         self._up.wait()
-        self._finalizer = weakref.finalize(self, _stop_procs, self.procs, self.store)
+        self._finalizer = weakref.finalize(self, _shut_down, self.procs, self.store)
         if self._error is not None:
             self.stop()
             raise self._error
@@ -113,14 +113,20 @@ class WorkerSet:
 
     def stop(self) -> None:
         """Stop and reap every worker (idempotent), then leave the process group."""
-        from .group import leave_group
-
         if self.stopped:
             return
         self.stopped = True
         self._finalizer()
         self._quit.set()
-        leave_group()
+
+
+def _shut_down(procs: list[subprocess.Popen], store) -> None:
+    """Stop and reap the workers, then leave the process group (also when the set is
+    dropped without `stop()`, e.g. an engine that failed to start, or at exit)."""
+    from .group import leave_group
+
+    _stop_procs(procs, store)
+    leave_group()
 
 
 def _stop_procs(procs: list[subprocess.Popen], store) -> None:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from dlm_engine import Engine, EngineConfig, EngineLoop
+from dlm_engine.models.common import ForwardBatch
 from dlm_engine.parallel import ParallelLM, TensorParallelError
 from dlm_engine.reference import full_logits
 from dlm_engine.testing import make_tiny_checkpoint
@@ -132,6 +133,28 @@ def test_killed_worker_is_a_clear_error(ckpts) -> None:
         ):
             engine.generate(_prompts(engine)[:1], {"max_tokens": 8, "steps": 8})
         assert time.monotonic() - started < 10  # an error, not a hang
+
+
+def test_a_failed_forward_refuses_the_next_instead_of_pairing_wrong_collectives(
+    ckpts, monkeypatch
+) -> None:
+    """Rank 0 fails after the workers started a forward (they wait in its collectives): the
+    next forward is refused by name, never run out of step; stopping still reaps them."""
+    with tp_engine(ckpts["dream"]) as engine:
+        model = engine.runner.model
+
+        def fails(batch):
+            raise RuntimeError("out of memory (simulated)")
+
+        monkeypatch.setattr(model.local, "hidden_states", fails)
+        prompt = _prompts(engine)[:1]
+        with pytest.raises(TensorParallelError, match="simulated"):
+            engine.generate(prompt, {"max_tokens": 8, "steps": 8})
+        monkeypatch.undo()
+        ids = torch.tensor(prompt)
+        batch = ForwardBatch(ids, torch.arange(ids.shape[1])[None], None, None)
+        with pytest.raises(TensorParallelError, match="an earlier tensor-parallel forward failed"):
+            model.hidden_states(batch)
 
 
 def test_served_loop_fails_rows_on_a_dead_worker_and_stops_the_rest(ckpts) -> None:
