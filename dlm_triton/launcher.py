@@ -37,8 +37,8 @@ from dlm_triton.procs import (
     http_ok,
     http_text,
     proc_children,
+    spawn,
     suppress,
-    term_with_parent,
     terminate,
 )
 from dlm_triton.runtime_info import model_info
@@ -196,7 +196,7 @@ class TritonServerProcess:
         ready_timeout_s: float = 300.0,
         exit_timeout_s: int = 10,
         gpu_metrics: bool | None = None,
-        die_with_parent: bool = False,
+        die_with_parent: bool = True,
         drain_timeout_s: float | None = None,
         dist: ServerDist | None = None,
         verbose: bool = False,
@@ -406,10 +406,11 @@ class TritonServerProcess:
             self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - kept for the run
         out = self._log_file
         # Own session: Ctrl-C in a terminal must not reach the server before the proxy drains.
-        self.server = subprocess.Popen(
+        # With die_with_parent (the default) it gets SIGTERM when this process dies, SIGKILL too.
+        start = spawn if self.die_with_parent else subprocess.Popen
+        self.server = start(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
             start_new_session=True,
-            preexec_fn=term_with_parent if self.die_with_parent else None,
         )  # fmt: skip
 
     def _admin_args(self) -> list[str]:
@@ -465,7 +466,8 @@ class TritonServerProcess:
         out = None
         if self.log_path is not None:
             out = open(self.log_path.with_suffix(".proxy.log"), "ab")  # noqa: SIM115
-        self.proxy = subprocess.Popen(
+        start = spawn if self.die_with_parent else subprocess.Popen
+        self.proxy = start(
             cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True
         )
         if out is not None:

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -83,14 +88,44 @@ def suppress() -> contextlib.suppress:
     return contextlib.suppress(ProcessLookupError, FileNotFoundError, PermissionError)
 
 
-def term_with_parent() -> None:
-    """In the child: SIGTERM when the launcher dies (even by SIGKILL), so tritonserver is not
-    orphaned. Linux ties this to the *thread* that started it: only for launchers that start
-    the server from their main thread (``dlm-triton serve``)."""
-    import ctypes
+PR_SET_PDEATHSIG = 1
 
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets ``sig`` when the thread that started it ends (the
+    process dying by any signal, SIGKILL too, ends it), so a killed test run, benchmark or
+    launcher leaves no server or proxy behind. Linux ties this to the *thread*: start children
+    through :func:`spawn`, whose thread lives as long as the process."""
+    parent = os.getpid()
+
+    def preexec() -> None:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig))
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os.kill(os.getpid(), sig)
+
+    return preexec
+
+
+_spawner: ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
+def spawn(cmd: Sequence[str], *, die_signal: int = signal.SIGTERM, **kw: Any) -> subprocess.Popen:
+    """``subprocess.Popen`` of a child that dies with this process (:func:`die_with_parent`).
+
+    Started from the main thread, or else from one spawner thread that lives until the
+    process exits: a child started from a short-lived thread (the supervisor's restart) would
+    otherwise get its signal when that thread ends."""
+    kw["preexec_fn"] = die_with_parent(die_signal)
+    if threading.current_thread() is threading.main_thread():
+        return subprocess.Popen(cmd, **kw)
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlm-spawner")
+    return _spawner.submit(subprocess.Popen, cmd, **kw).result()
 
 
 def terminate(proc: subprocess.Popen, timeout: float) -> bool:
@@ -107,3 +142,19 @@ def terminate(proc: subprocess.Popen, timeout: float) -> bool:
             proc.kill()
         proc.wait(timeout=10)
         return True
+
+
+def exit_when_orphaned(interval_s: float = 0.5) -> threading.Thread:
+    """In a process whose parent cannot set its death signal (a Triton Python stub, started
+    by tritonserver): a daemon thread that ends this process at once (``os._exit``: no
+    interpreter shutdown that could wait on a busy thread) when the parent is gone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            threading.Event().wait(interval_s)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="dlm-orphan-watch", daemon=True)
+    thread.start()
+    return thread

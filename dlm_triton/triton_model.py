@@ -79,7 +79,11 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         from dlm_engine import Engine, EngineConfig, EngineLoop
         from dlm_engine.threads import hand_threads_to_engine_thread
+        from dlm_triton.procs import exit_when_orphaned
 
+        # tritonserver starts this stub and cannot make it die with it: a tritonserver that
+        # died (SIGKILL, crash) must not leave the stub and its model running
+        exit_when_orphaned()
         model_config = json.loads(args["model_config"])
         self.model_name = args["model_name"]
         model_dir = Path(args.get("model_repository", ".")).resolve()

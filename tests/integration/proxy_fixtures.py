@@ -21,6 +21,7 @@ import pytest
 
 from dlm_triton import admin_key
 from dlm_triton.launcher import TritonServerProcess, free_port
+from dlm_triton.procs import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,7 +58,7 @@ class ProxyProcess:
     def start(self, timeout_s: float = 30.0) -> ProxyProcess:
         if self.log_path is not None:
             self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
+        self.proc = spawn(  # dies with the test run, even a killed one
             self.cmd,
             cwd=ROOT,
             stdout=self._log,

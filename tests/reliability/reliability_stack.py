@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from dlm_triton.launcher import Ports, TritonServerProcess
+from dlm_triton.procs import spawn
 from dlm_triton.server_dist import TritonNotFoundError, find_server
 
 MODEL = "tiny-rel"
@@ -137,7 +138,7 @@ class ExtraProxy:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> ExtraProxy:
-        self.proc = subprocess.Popen(self.cmd, start_new_session=True)
+        self.proc = spawn(self.cmd, start_new_session=True)  # dies with the test run
         deadline = time.monotonic() + 60
         while status_of(self.base_url + "/health") != 200:
             if self.proc.poll() is not None or time.monotonic() > deadline:
