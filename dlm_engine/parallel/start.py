@@ -90,6 +90,7 @@ def start_tensor_parallel(config: EngineConfig) -> LoadedModel:
     }
     workers = WorkerSet(spec, world, store)
     try:
+        workers.wait_joining(TIMEOUT_S)
         init_group(store, 0, world, rank_device(config.device, 0), TIMEOUT_S)
         loaded = load_rank(spec, 0, world)
         workers.wait_ready(TIMEOUT_S)

@@ -96,12 +96,17 @@ class WorkerSet:
                     "run a forward until it is restarted"
                 )
 
-    def wait_ready(self, timeout_s: float) -> None:
+    def wait_joining(self, timeout_s: float) -> None:
+        """Wait until every worker is about to join the process group, so that rank 0's own
+        join (which waits for all ranks) never waits for a worker that died before it."""
+        self.wait_ready(timeout_s, "joining")
+
+    def wait_ready(self, timeout_s: float, what: str = "ready") -> None:
         """Wait until every worker has loaded its shard; a worker that failed or died says
         so at once."""
         deadline = time.monotonic() + timeout_s
         for rank in range(1, self.world):
-            key = f"ready/{rank}"
+            key = f"{what}/{rank}"
             while not self.store.check([key]):
                 self.check()
                 if time.monotonic() > deadline:
@@ -172,6 +177,7 @@ def worker_main(spec: dict[str, Any]) -> int:
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     store = join_store(int(spec["port"]), world, float(spec["timeout_s"]))
+    store.set(f"joining/{rank}", "ok")
     device = rank_device(spec["device"], rank)
     if device.type == "cuda" and spec.get("fused_kernels"):  # as rank 0's ModelRunner does
         from ..models.common import FusedKernels

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dlm_engine import Engine, EngineConfig, EngineLoop
 from dlm_engine.models.common import ForwardBatch
@@ -205,6 +206,19 @@ def _any_worker_for(checkpoint: str) -> bool:
         if b"dlm_engine.parallel.worker_main" in cmd and checkpoint.encode() in cmd:
             return True
     return False
+
+
+def test_a_worker_that_dies_at_start_is_reported_at_once(ckpts, monkeypatch) -> None:
+    """A worker that exits before joining the group (here: an interpreter that fails) is an
+    error naming it within seconds, not rank 0 waiting out the group's timeout."""
+    from dlm_engine.parallel import workers
+
+    monkeypatch.setattr(workers, "_python", lambda: "/bin/false")
+    started = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with exit status 1"):
+        Engine(EngineConfig(model=ckpts["dream"], tensor_parallel_size=2))
+    assert time.monotonic() - started < 30
+    assert not dist.is_initialized()  # a later engine may start its own group
 
 
 def test_tensor_parallel_size_is_a_flag_an_env_var_and_a_parameter() -> None:
