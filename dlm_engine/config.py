@@ -9,7 +9,8 @@ from dlm_protocol import limits
 
 @dataclass
 class EngineConfig:
-    """Settings of one engine (one model on one device)."""
+    """Settings of one engine (one model on one device, or split over `tensor_parallel_size`
+    ranks)."""
 
     model: str  # a checkpoint directory, a Hub id (org/name), or random:<preset>
     revision: str | None = None  # Hub branch, tag or commit for a Hub id (None: main)
