@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from dlm_protocol.response import CHAT_ROLES, FINISH_TOOL_CALLS
+from dlm_protocol.tool_rules import check_tool_call_ids
 
 from .config import EngineConfig
 from .decoding.checkpoint_defaults import generation_length
@@ -34,7 +35,14 @@ from .scheduler import Scheduler
 from .scoring import ScoreJob, ScoringQueue, run_chunk, summary
 from .sequence import Sequence
 from .text import StableText
-from .tools import ToolCallText, ToolSpec, prompt_messages, template_has_tools
+from .tools import (
+    ToolCallText,
+    ToolSpec,
+    check_call_budget,
+    closing_reserve,
+    prompt_messages,
+    template_has_tools,
+)
 from .uniform_runner import UniformRunner
 
 
@@ -187,6 +195,7 @@ class Engine:
                 raise InvalidRequestError(
                     "messages", f"message {i} contains the mask token {self.mask_token}"
                 )
+        check_tool_call_ids(messages)
         messages, tool_list = prompt_messages(messages, tools, self._template_tools)
         try:
             text = self.tokenizer.apply_chat_template(
@@ -226,6 +235,7 @@ class Engine:
             model_block=self.model_block,
         )
         check_vocab(resolved.logit_bias, self.runner.model_vocab)
+        check_call_budget(resolved.tools, resolved.max_tokens, self.tokenizer)
         return self.structured.check(resolved)
 
     def add_request(
@@ -254,6 +264,8 @@ class Engine:
             eos_id=self.loaded.eos_id,
         )
         seq.constraint = self.structured.row_constraint(resolved)
+        if seq.constraint is not None and resolved.tools is not None:
+            seq.constraint.reserve += closing_reserve(resolved.tools, self.tokenizer)
         if not self.runner.fits_pool(seq):
             pool = self.runner.block_pages.pool
             raise InvalidRequestError(
@@ -333,10 +345,11 @@ class Engine:
         delta, text, tool_calls = update.delta, st.sent, None
         tool_text = self._tool_texts.get(seq.request_id)
         if tool_text is not None:  # content stops where a tool call may begin
-            delta, tool_calls = tool_text.update(st.sent, seq.finished)
+            cut = seq.finish_reason == "length"
+            delta, tool_calls = tool_text.update(st.sent, seq.finished, cut)
             text = tool_text.sent
-            if tool_calls and seq.finish_reason in ("stop", "length"):
-                seq.finish_reason = FINISH_TOOL_CALLS
+            if tool_calls and seq.finish_reason in ("stop", "length") and not tool_text.answer.cut:
+                seq.finish_reason = FINISH_TOOL_CALLS  # a call cut unfinished stays `length`
         if delta and seq.first_token_time is None:
             seq.first_token_time = now
         canvas = self._canvas_strings(seq) if seq.params.stream_mode == "denoise" else None
@@ -345,7 +358,9 @@ class Engine:
         logprobs = None
         stream = self._logprobs.get(seq.request_id)
         if stream is not None:
-            logprobs = stream.release(seq, st.token_ids, st.sent, seq.finished)
+            # with call markup in the answer, only the content's tokens have entries
+            markup = tool_text is not None and tool_text.answer and tool_text.answer.markup
+            logprobs = stream.release(seq, st.token_ids, text, seq.finished and not markup)
         if seq.finished:
             del self._texts[seq.request_id]
             self._logprobs.pop(seq.request_id, None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import llguidance
 
 from dlm_protocol.structure_shapes import json_value
+from dlm_protocol.tool_rules import check_tool_names
 
 from .decoding.constraint_limits import check_schema, schema_patterns
 from .decoding.grammar import MAX_CONSTRAINT_CHARS, Constraint
@@ -81,10 +83,8 @@ def resolve_tools(tools: Any, tool_choice: Any, parallel: bool) -> ToolSpec | No
         if choice not in ("none", "auto"):
             raise InvalidRequestError("tool_choice", "needs tools")
         return None
+    check_tool_names(tools)
     names = [t["function"]["name"] for t in tools]
-    dup = next((n for n in names if names.count(n) > 1), None)
-    if dup is not None:
-        raise InvalidRequestError("tools", f"function {dup!r} is given twice")
     if len(json.dumps(tools)) > MAX_CONSTRAINT_CHARS:
         raise InvalidRequestError("tools", f"longer than {MAX_CONSTRAINT_CHARS} characters")
     if choice == "none":
@@ -198,50 +198,237 @@ def prompt_messages(
     return out, None
 
 
+# ---- the budget ------------------------------------------------------------------------------
+
+_CALL_TAIL = f"}}\n{TOOL_CALL_CLOSE}"  # what a call still needs once its arguments closed
+
+
+def smallest_call(name: str, arguments: str = "{}") -> str:
+    """A call of `name` as a constrained answer writes it (arguments `{}` by default)."""
+    return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": {arguments}{_CALL_TAIL}'
+
+
+def shortest_json(schema: Any, longest_choice: bool = False) -> str:
+    """A short JSON text of an arguments schema in the calls' layout: each required key with
+    its own shortest value. Never longer than the shortest valid arguments (a lower bound, for
+    refusing a budget no call fits), except that `longest_choice` takes the longest value of an
+    `enum` a model may pick (for the room to keep). What it does not follow (`$ref`, ...)
+    counts as the shortest JSON value; its work and length are bounded, whatever the schema."""
+    return _Shortest(longest_choice).value(schema, 0) if isinstance(schema, dict) else "{}"
+
+
+class _Shortest:
+    """One walk of `shortest_json`: at most `NODES` schema nodes, `CHARS` characters a value."""
+
+    NODES, CHARS, DEPTH = 2000, 4096, 16
+
+    def __init__(self, longest_choice: bool) -> None:
+        self.pick = max if longest_choice else min
+        self.nodes = 0
+
+    def value(self, schema: Any, depth: int) -> str:
+        self.nodes += 1
+        if not isinstance(schema, dict) or depth > self.DEPTH or self.nodes > self.NODES:
+            return "{}" if depth == 0 else "0"
+        if "const" in schema:
+            return json.dumps(schema["const"], ensure_ascii=False)[: self.CHARS]
+        if isinstance(schema.get("enum"), list) and schema["enum"]:
+            texts = (json.dumps(v, ensure_ascii=False)[: self.CHARS] for v in schema["enum"])
+            return self.pick(texts, key=len)
+        branches = schema.get("anyOf") or schema.get("oneOf")
+        if isinstance(branches, list) and branches:
+            return min((self.value(b, depth + 1) for b in branches), key=len)
+        kind = schema.get("type")
+        if isinstance(kind, list) and kind:  # each type alone, the shortest
+            return min((self.value({**schema, "type": k}, depth + 1) for k in kind), key=len)
+        if kind == "string":
+            return '"' + "a" * _count(schema.get("minLength")) + '"'
+        if kind in ("integer", "number"):
+            return "0"
+        if kind in ("boolean", "null"):
+            return "true" if kind == "boolean" else "null"
+        if kind == "array":
+            item = self.value(schema.get("items"), depth + 1)
+            return ("[" + ", ".join([item] * _count(schema.get("minItems"))) + "]")[: self.CHARS]
+        if kind not in (None, "object") or (depth and kind is None and "properties" not in schema):
+            return "0"
+        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        required = schema.get("required") if isinstance(schema.get("required"), list) else []
+        items = (
+            f"{json.dumps(k, ensure_ascii=False)}: {self.value(props.get(k), depth + 1)}"
+            for k in required[:64]
+            if isinstance(k, str)
+        )
+        return ("{" + ", ".join(items) + "}")[: self.CHARS]
+
+
+def _count(value: Any) -> int:
+    return min(value, 64) if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _allowed(spec: ToolSpec) -> list[dict[str, Any]]:
+    return [t["function"] for t in spec.tools if spec.name in (None, t["function"]["name"])]
+
+
+def check_call_budget(spec: ToolSpec | None, max_tokens: int, tokenizer: Any) -> None:
+    """`required` / a named function: `max_tokens` must hold at least the smallest call of an
+    allowed function, or no answer could ever be a call (a 400 naming `max_tokens` instead of
+    an answer cut inside its markup)."""
+    if spec is None or not spec.constrained:
+        return
+    need = min(
+        len(tokenizer.encode(smallest_call(fn["name"], shortest_json(fn.get("parameters"))),
+                             add_special_tokens=False))
+        for fn in _allowed(spec)
+    )  # fmt: skip
+    if max_tokens < need:
+        which = f"a call of {spec.name!r}" if spec.name else "the smallest tool call"
+        raise InvalidRequestError(
+            "max_tokens",
+            f"{max_tokens} cannot hold {which} (tool_choice {spec.choice}): it takes "
+            f"at least {need} tokens",
+        )
+
+
+def closing_reserve(spec: ToolSpec | None, tokenizer: Any) -> int:
+    """Tokens a constrained call keeps at the end of its canvas, besides the structure's own
+    reserve, to finish: the shortest arguments the schema needs (the longest `enum` choice) and
+    the closing markup, so a call whose model has not learned to stop is closed, not cut."""
+    if spec is None or not spec.constrained:
+        return 0
+    return max(
+        len(tokenizer.encode(shortest_json(fn.get("parameters"), True) + _CALL_TAIL,
+                             add_special_tokens=False))
+        for fn in _allowed(spec)
+    )  # fmt: skip
+
+
 # ---- the answer ------------------------------------------------------------------------------
 
 
-def parse_tool_calls(text: str, spec: ToolSpec) -> tuple[str, list[dict[str, Any]] | None]:
-    """(content, calls): the text before the first `<tool_call>` and the calls in OpenAI's
-    shape, or (text, None) when the text holds no well-formed call of a known function."""
+@dataclass(frozen=True)
+class ToolAnswer:
+    """An answer's text read for calls: the content before the first call's markup (never any
+    markup), the calls in OpenAI's shape, and whether the last one was cut off unfinished."""
+
+    content: str
+    calls: list[dict[str, Any]]
+    cut: bool = False
+    markup: bool = False  # the text held call markup (whether or not a call came of it)
+
+
+# A call's start as far as the text got: its name (whole when the quote closed) and the
+# arguments written so far (Hermes / Qwen2.5 order, as the constrained grammar writes it)
+_CALL_HEAD = re.compile(
+    r'\{\s*"name"\s*:\s*"(?P<name>[^"\\]*)(?P<closed>")?'
+    r'(?:\s*,\s*"(?:arguments|parameters)"\s*:\s*(?P<args>.*))?',
+    re.DOTALL,
+)
+
+
+def parse_tool_calls(text: str, spec: ToolSpec, cut: bool = False) -> ToolAnswer:
+    """The calls in `text`. Each well-formed call of a known function is returned; a call
+    whose markup is malformed or names an unknown function is dropped. `cut`: the text was
+    cut by `max_tokens`, so a last call it ends inside is returned as it stands (OpenAI's
+    answer to a cut call: its name and the arguments so far), or whole when its arguments
+    were complete and only the closing markup was cut."""
     start = text.find(TOOL_CALL_OPEN)
     if start < 0:
-        return text, None
-    calls, pos = [], start
+        return ToolAnswer(_without_open_tail(text) if cut else text, [])
+    calls: list[dict[str, Any]] = []
+    unfinished = False
     # numbers stay as written (a grammar-valid 1e999 is no float), NaN / Infinity are no JSON
     decoder = json.JSONDecoder(parse_float=_Number, parse_constant=_no_constant)
+    pos = start
     while pos >= 0:
-        body = text[pos + len(TOOL_CALL_OPEN) :].lstrip()
+        at = pos + len(TOOL_CALL_OPEN)
+        at += len(text[at:]) - len(text[at:].lstrip())
+        body = text[at:]
         try:
             obj, end = decoder.raw_decode(body)
-        except ValueError:  # JSONDecodeError too
-            return text, None
+        except ValueError:  # JSONDecodeError too: malformed, or the text ends inside it
+            close = text.find(TOOL_CALL_CLOSE, at)
+            if close < 0:
+                call = _cut_call(body, spec, decoder) if cut else None
+                if call is not None:
+                    calls.append(call[0])
+                    unfinished = call[1]
+                break
+            pos = text.find(TOOL_CALL_OPEN, close + len(TOOL_CALL_CLOSE))
+            continue
         rest = body[end:].lstrip()
-        if not rest.startswith(TOOL_CALL_CLOSE) and rest:
-            return text, None
-        args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
-        if isinstance(args, str):
-            try:
-                args = decoder.decode(args)
-            except ValueError:  # JSONDecodeError too
-                return text, None
-        name = obj.get("name") if isinstance(obj, dict) else None
-        if name not in spec.names or not isinstance(args, dict):
-            return text, None
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": name, "arguments": _dump(args)},
-            }
-        )
-        if not rest:
+        # closed, or the text ends inside the closing tag (or before it): the call is whole
+        closed = rest.startswith(TOOL_CALL_CLOSE) or TOOL_CALL_CLOSE.startswith(rest)
+        call = _whole_call(obj, spec, decoder) if closed else None
+        if call is not None:
+            calls.append(call)
+        close = text.find(TOOL_CALL_CLOSE, at + end)
+        if close < 0:
             break
-        after = len(text) - len(rest) + len(TOOL_CALL_CLOSE)
-        pos = text.find(TOOL_CALL_OPEN, after)
+        pos = text.find(TOOL_CALL_OPEN, close + len(TOOL_CALL_CLOSE))
     if not spec.parallel:
+        unfinished = unfinished and len(calls) == 1
         calls = calls[:1]
-    return text[:start], calls
+    return ToolAnswer(text[:start], calls, unfinished, markup=True)
+
+
+def _without_open_tail(text: str) -> str:
+    """`text` less a tail that begins `<tool_call>` (a call cut before its tag was whole)."""
+    for n in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(TOOL_CALL_OPEN[:n]):
+            return text[:-n]
+    return text
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def _whole_call(obj: Any, spec: ToolSpec, decoder: json.JSONDecoder) -> dict[str, Any] | None:
+    """A parsed call object in OpenAI's shape; None when it is no call of a known function."""
+    if not isinstance(obj, dict):
+        return None
+    args = obj.get("arguments", obj.get("parameters"))
+    if isinstance(args, str):
+        try:
+            args = decoder.decode(args)
+        except ValueError:  # JSONDecodeError too
+            return None
+    name = obj.get("name")
+    if name not in spec.names or not isinstance(args, dict):
+        return None
+    return _call(name, _dump(args))
+
+
+def _cut_call(
+    body: str, spec: ToolSpec, decoder: json.JSONDecoder
+) -> tuple[dict[str, Any], bool] | None:
+    """(call, unfinished) for a call the text ends inside; None when not even its function is
+    known (a name cut where several functions begin alike)."""
+    if body and not body.startswith("{"):
+        return None
+    allowed = (spec.name,) if spec.name is not None else spec.names
+    m = _CALL_HEAD.match(body)
+    if m is None:
+        names = list(allowed)
+    elif m["closed"]:
+        names = [m["name"]] if m["name"] in allowed else []
+    else:
+        names = [n for n in allowed if n.startswith(m["name"])]
+    if len(names) != 1:
+        return None
+    written = (m["args"] or "").rstrip() if m is not None else ""
+    try:  # the arguments are whole; only what closes the call is missing
+        args, end = decoder.raw_decode(written)
+        if isinstance(args, dict) and not written[end:].strip(" }\n"):
+            return _call(names[0], _dump(args)), False
+    except ValueError:  # JSONDecodeError too
+        pass
+    return _call(names[0], written), True
 
 
 class _Number(str):
@@ -266,26 +453,26 @@ def _dump(value: Any) -> str:
 
 class ToolCallText:
     """One request's streamed content with tools: text is released only up to a possible
-    `<tool_call>` (a tail that could begin one is held back); at the end the calls are parsed,
-    and text that held no call is released after all."""
+    `<tool_call>` (a tail that could begin one is held back); at the end the calls are parsed
+    and the text before the first call's markup is the content, so no markup is ever content."""
 
     def __init__(self, spec: ToolSpec) -> None:
         self.spec = spec
         self.sent = ""
+        self.answer: ToolAnswer | None = None  # set by the final update
 
-    def update(self, text: str, finished: bool) -> tuple[str, list[dict[str, Any]] | None]:
-        """(new content, the calls on the final update or None)."""
+    def update(
+        self, text: str, finished: bool, cut: bool = False
+    ) -> tuple[str, list[dict[str, Any]] | None]:
+        """(new content, the calls on the final update or None). `cut`: the text ended at
+        `max_tokens`."""
         calls = None
         if finished:
-            content, calls = parse_tool_calls(text, self.spec)
-            visible = content if calls else text
+            self.answer = parse_tool_calls(text, self.spec, cut)
+            visible, calls = self.answer.content, self.answer.calls or None
         else:
-            cut = text.find(TOOL_CALL_OPEN)
-            visible = text if cut < 0 else text[:cut]
-            for n in range(min(len(TOOL_CALL_OPEN) - 1, len(visible)), 0, -1):
-                if visible.endswith(TOOL_CALL_OPEN[:n]):
-                    visible = visible[:-n]
-                    break
+            cut_at = text.find(TOOL_CALL_OPEN)
+            visible = _without_open_tail(text if cut_at < 0 else text[:cut_at])
         if not visible.startswith(self.sent):
             return "", calls
         delta, self.sent = visible[len(self.sent) :], visible

@@ -41,6 +41,8 @@ from dlm_protocol.response import (
     ROLE_ALIASES,
     USAGE_EXTRAS,
 )
+from dlm_protocol.structure_shapes import json_value
+from dlm_protocol.tool_rules import check_tool_call_ids, check_tool_names
 
 # OpenAI's own fields that share a name with a contract alias (handled by the proxy itself).
 _OPENAI_OWN = frozenset({"max_completion_tokens"})
@@ -380,8 +382,11 @@ class ChatMessage(BaseModel):
 
 
 def _chat_logprobs(value: Any) -> Any:
-    """`true` / `false` as OpenAI's chat sends it, or the contract's count (checked by it)."""
-    return value if isinstance(value, bool) else _checked_as("logprobs")(value)
+    """`true` / `false` as OpenAI's chat sends it: a count is completions' form, and a client
+    sending one here meant something this endpoint would not do."""
+    if value is None or isinstance(value, bool):
+        return value
+    raise ValueError("chat takes true or false (with top_logprobs for alternatives), not a count")
 
 
 class ChatCompletionRequest(_RequestBase):
@@ -407,17 +412,16 @@ class ChatCompletionRequest(_RequestBase):
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
 
-    # issue 17: OpenAI's chat `logprobs` is a boolean; the contract's count is accepted too
+    # issue 17: OpenAI's chat `logprobs` is a boolean (the count goes in `top_logprobs`)
     logprobs: Annotated[
         Any,
         BeforeValidator(_chat_logprobs),
-        WithJsonSchema(
-            {"anyOf": [{"type": "boolean"}, BY_NAME["logprobs"].json_schema()["anyOf"][0]]}
-        ),
+        WithJsonSchema({"anyOf": [{"type": "boolean"}, {"type": "null"}]}),
     ] = Field(
         None,
-        description=BY_NAME["logprobs"].doc + " OpenAI's `true` (with `top_logprobs`) or the "
-        "count N; answered in `choices[].logprobs.content`, each token with its `step`.",
+        description="`true`: each completion token's log-probability under the model at the "
+        "step that committed it, with `top_logprobs` alternatives; answered in "
+        "`choices[].logprobs.content`, each token with its `step`. A boolean, as OpenAI's.",
     )
     top_logprobs: int | None = Field(
         None,
@@ -433,9 +437,23 @@ class ChatCompletionRequest(_RequestBase):
         return self
 
     def logprobs_key(self) -> int | None:
-        if self.logprobs is True:
-            return self.top_logprobs or 0
-        return None if self.logprobs is False else self.logprobs
+        return (self.top_logprobs or 0) if self.logprobs is True else None
+
+    @model_validator(mode="after")
+    def _tool_rules(self) -> ChatCompletionRequest:
+        """OpenAI's function names, each once; every tool result answers an earlier call."""
+        tools = json_value(self.tools)
+        if isinstance(tools, list):
+            check_tool_names(tools)
+        check_tool_call_ids(
+            {
+                "role": m.role,
+                "tool_calls": [{"id": c.id} for c in m.tool_calls or ()],
+                "tool_call_id": m.tool_call_id,
+            }
+            for m in self.messages
+        )
+        return self
 
 
 # ----------------------------------------------------------------------------------------------

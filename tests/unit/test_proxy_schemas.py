@@ -260,13 +260,13 @@ def test_logprobs_map_to_the_contract_key() -> None:
     assert chat(logprobs=False, top_logprobs=0).logprobs_key() is None
     assert chat(logprobs=True).logprobs_key() == 0
     assert chat(logprobs=True, top_logprobs=20).logprobs_key() == 20
-    assert chat(logprobs=4).logprobs_key() == 4  # the contract's count, as over Triton
     done = CompletionRequest.model_validate({"model": "m", "prompt": "p", "logprobs": 5})
     assert done.logprobs_key() == 5
     for kw, field in (
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": 4}, "logprobs"),  # a boolean, as OpenAI's chat: the count is top_logprobs
         ({"logprobs": "true"}, "logprobs"),
     ):
         with pytest.raises(ValidationError) as info:
