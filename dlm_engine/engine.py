@@ -51,6 +51,10 @@ class Engine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        if loaded is None and config.tensor_parallel_size > 1:  # rank 0 of N ranks
+            from .parallel import start_tensor_parallel
+
+            loaded = start_tensor_parallel(config)
         self.loaded = loaded or load_checkpoint(
             config.model, config.dtype, config.device, config.quantization, config.revision
         )
@@ -72,7 +76,9 @@ class Engine:
                 pad_id,
                 lm.device,
                 max_rows=config.max_rows,
-                cuda_graphs=config.cuda_graphs,
+                # a tensor-parallel forward first sends its inputs to the workers (host work
+                # a captured graph would not repeat)
+                cuda_graphs=config.cuda_graphs and config.tensor_parallel_size == 1,
                 max_cuda_graphs=config.max_cuda_graphs,
                 cuda_graph_max_tokens=config.cuda_graph_max_tokens,
                 fused_kernels=config.fused_kernels,
