@@ -272,7 +272,8 @@ class GemmaExperts(nn.Module):
             token, slot = torch.where(index == e)
             gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
             y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e])
-            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+            # a token picks an expert at most once: one addition per element, as index_add_
+            out[token] += (y * weights[token, slot, None]).to(out.dtype)
         return out
 
 
@@ -429,9 +430,9 @@ class DiffusionGemmaModel(nn.Module):
                 k_all, v_all = torch.cat([old_k, k[0]], 1), torch.cat([old_v, v[0]], 1)
             else:
                 k_all, v_all = k[0], v[0]
-            keep = a.sliding_window - 1 if shape.sliding else None
-            cache.keys[i] = k_all[:, -keep:] if keep else k_all
-            cache.values[i] = v_all[:, -keep:] if keep else v_all
+            # sliding layers keep their last window - 1 positions (all of them if fewer)
+            drop = max(0, k_all.shape[1] - (a.sliding_window - 1)) if shape.sliding else 0
+            cache.keys[i], cache.values[i] = k_all[:, drop:], v_all[:, drop:]
             if i == last:
                 break  # the last layer's output feeds nothing: only its keys are kept
             kpos = torch.arange(start + t - k_all.shape[1], start + t, device=ids.device)

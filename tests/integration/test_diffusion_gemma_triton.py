@@ -1,7 +1,7 @@
 """DiffusionGemma (tiny random checkpoint in the published layout) served by the real
 tritonserver behind the OpenAI proxy: the `openai` client's text equals the engine's own for
-the same seed and settings, streaming delivers the same text, and keys that do not apply get
-a 400 naming the field."""
+the same seed and settings, streaming delivers the same text, usage reports the decoder
+forwards, keys that do not apply get a 400 naming the field and images a 400."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def test_diffusion_gemma_through_triton_and_the_proxy(server_factory, dg_checkpo
         assert got.choices[0].message.content == want.text
         assert got.choices[0].finish_reason == want.finish_reason
         assert got.usage.completion_tokens == want.completion_tokens
+        assert got.usage.model_extra["forwards"] == want.steps  # decoder forwards
         stream = client.chat.completions.create(
             model=server.model_name,
             messages=MESSAGES,
@@ -55,5 +56,12 @@ def test_diffusion_gemma_through_triton_and_the_proxy(server_factory, dg_checkpo
                     model=server.model_name, messages=MESSAGES, max_tokens=8, extra_body=bad
                 )
             assert field in str(err.value)
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        with pytest.raises(openai.BadRequestError):  # text only: images are refused
+            client.chat.completions.create(
+                model=server.model_name,
+                messages=[{"role": "user", "content": [image]}],
+                max_tokens=8,
+            )
     finally:
         proxy.stop()
