@@ -189,7 +189,7 @@ def random_checkpoint(
         quantize_linears(model, quantization, dev)
     tok_dir = Path(tempfile.mkdtemp(prefix="dlm-random-tok-"))
     build_char_tokenizer(tok_dir, family.name)
-    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    tok = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=False)
     mask_id, eos_id = int(config["mask_token_id"]), int(config["eos_token_id"])
     return LoadedModel(
         model,
@@ -257,7 +257,7 @@ def load_checkpoint(
     model.fuse_projections()
     if quantization:
         quantize_linears(model, quantization, dev)
-    tok = AutoTokenizer.from_pretrained(str(path))
+    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     mask_id, eos_id, stop_ids = _special_ids(family, config, gen, tok)
     if family is LLADA and "mask_token_id" not in config and mask_id != 126336:
         raise ValueError("LLaDA checkpoint without mask_token_id")

@@ -220,21 +220,27 @@ def sdar_generate(
     `sequential` the positions [first mask, first mask + k); `low_confidence_static` the k
     most confident masks; `low_confidence_dynamic` every mask with x0_p >
     confidence_threshold if there are >= k of them, else the k most confident;
-    `entropy_bounded` see `entropy_bounded_select`. At most `denoising_steps` steps, except
-    `entropy_bounded`, which ignores the schedule and runs until the block holds no mask (it
-    commits >= 1 a step). After a block: stop if any of `stop_ids` is in x[P : block end]
-    (upstream's `stopping_criteria_idx` test, on the decoded part only).
+    `entropy_bounded` see `entropy_bounded_select`. Upstream's loop runs `denoising_steps + 1`
+    iterations: the scheduled rules fill a block within `denoising_steps` (the last one only
+    stores the block's KV, which has no counterpart here); `entropy_bounded` ignores the
+    schedule, commits >= 1 a step and gets all `denoising_steps + 1` forwards, after which
+    upstream leaves the block with its masks (never caching its keys): that is not restated,
+    a block still holding masks then raises ValueError (the engine refuses entropy_bounded
+    with steps < block_length - 1, where it can happen). After a block: stop if any of
+    `stop_ids` is in x[P : block end] (upstream's `stopping_criteria_idx` test, on the decoded
+    part only).
 
     Deviations, each an upstream defect: (a) upstream's top-k takes k = schedule[s] even when
-    fewer masks are left (the prompt-tail block), so it also picks -inf (already decoded,
-    e.g. prompt) positions and overwrites them with proposals; k is capped here at the masks
-    left (the dynamic rule still compares its count with the uncapped k, which commits the
-    same positions). (b) upstream `entropy_bounded` takes the "entropy" of the scalar x0_p
-    summed over the block dimension and never creates `transfer_index`, so it cannot run; the
-    intended per-position rule is restated. (c) temperature 0 is greedy (see
-    `sample_tokens`); upstream divides by zero. With a schedule k >= 0 every block is full
-    within `denoising_steps` steps, so upstream's extra (denoising_steps + 1)-th iteration,
-    which only stores the block's KV, has no counterpart.
+    fewer masks are left, so it also picks -inf (already decoded, e.g. prompt) positions, in
+    an order torch leaves unspecified, and overwrites them with their current proposals. Two
+    cases reach it: the prompt-tail block (fewer masks than the schedule's sum), and any
+    block under `low_confidence_dynamic` once a step has committed more than its schedule
+    (every confidence above the threshold) while a later step's count of confident masks
+    falls short of its k. k is capped here at the masks left, and the engine does the same
+    (the dynamic rule still compares its count with the uncapped k, as upstream). (b) upstream
+    `entropy_bounded` takes the "entropy" of the scalar x0_p summed over the block dimension
+    and never creates `transfer_index`, so it cannot run; the intended per-position rule is
+    restated. (c) temperature 0 is greedy (see `sample_tokens`); upstream divides by zero.
 
     Returns `tokens` = x[P : end of the last decoded block]: mask ids never remain there, but
     the stop id and what follows it in its block do, and the last block may reach past
@@ -253,7 +259,7 @@ def sdar_generate(
         start, end = b * block_length, (b + 1) * block_length
         counts: list[int] = []
         step = 0
-        while adaptive or step < denoising_steps:
+        while step < denoising_steps + adaptive:
             block = x[start:end]
             mask = block == mask_id
             if not mask.any():
@@ -280,6 +286,10 @@ def sdar_generate(
             counts.append(int(transfer.sum()))
             step += 1
         commits.append(counts)
+        if adaptive and bool((x[start:end] == mask_id).any()):
+            raise ValueError(
+                f"entropy_bounded left block {b} with masks after {denoising_steps + 1} forwards"
+            )
         if stop_ids and any(bool((x[p_len:end] == s).any()) for s in stop_ids):
             break
     return BlockRun(x[p_len:end].clone(), forwards, x.clone(), commits)

@@ -528,6 +528,7 @@ DEFAULT_POST_EDIT_STEPS = 16
 _NOT_FOR_BLOCKS = {
     "cfg_scale": lambda p: p.cfg_scale > 0,
     "alg_temp": lambda p: bool(p.alg_temp),
+    "early_stop": lambda p: bool(p.early_stop),  # before multi_block, which it implies
     "multi_block": lambda p: wants_multi_block(p),
     "use_local_leap": lambda p: bool(p.use_local_leap),
     "factor": lambda p: p.factor is not None,
@@ -536,7 +537,6 @@ _NOT_FOR_BLOCKS = {
     "leap_radius": lambda p: p.leap_radius is not None,
     "cache_delay_iter": lambda p: p.cache_delay_iter is not None,
     "refresh_interval": lambda p: p.refresh_interval is not None,
-    "early_stop": lambda p: bool(p.early_stop),
 }
 
 
@@ -588,6 +588,14 @@ def resolve_block_diffusion(
         threshold = BLOCK_CONFIDENCE_DEFAULTS.get(family, DEFAULT_THRESHOLD)
     if algorithm == "entropy_bounded" and threshold is None:
         threshold = DEFAULT_EB_THRESHOLD
+    if algorithm == "entropy_bounded" and steps + 1 < block:
+        # SDAR's loop gives a block steps + 1 forwards and then leaves it, masks and all
+        # (its keys never cached); one commit a forward fills it only with steps >= block - 1
+        raise InvalidRequestError(
+            "steps",
+            f"entropy_bounded: SDAR leaves a block after steps + 1 forwards even with masks "
+            f"left; give steps >= block_length - 1 ({block - 1}) or another algorithm",
+        )
     if algorithm == "joint_threshold" and threshold is None:
         threshold = DEFAULT_JOINT_THRESHOLD
     for owner, keys in BLOCK_ALGORITHM_KEYS.items():

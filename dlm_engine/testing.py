@@ -28,6 +28,33 @@ SAMPLE_PROMPTS = [
 ]
 
 
+# The published checkpoints name their remote code (`auto_map`); the loader never runs it
+# (every `from_pretrained` passes trust_remote_code=False), and loading must never ask to.
+AUTO_MAPS: dict[str, dict[str, Any]] = {
+    "llada": {  # GSAI-ML/LLaDA-8B-Instruct
+        "AutoConfig": "configuration_llada.LLaDAConfig",
+        "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+        "AutoModel": "modeling_llada.LLaDAModelLM",
+    },
+    "dream": {  # Dream-org/Dream-v0-Instruct-7B
+        "AutoConfig": "configuration_dream.DreamConfig",
+        "AutoModel": "modeling_dream.DreamModel",
+    },
+    "sdar": {  # JetLM/SDAR-4B-Chat
+        "AutoConfig": "configuration_sdar.SDARConfig",
+        "AutoModel": "modeling_sdar.SDARModel",
+        "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM",
+    },
+    "llada2": {  # inclusionAI/LLaDA2.0-mini
+        "AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
+        "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
+        "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM",
+    },
+}
+# Dream also ships its tokenizer as remote code (tokenizer_config.json)
+TOKENIZER_AUTO_MAPS = {"dream": {"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]}}
+
+
 def llada_config(vocab: int, ids: dict[str, int], **arch: Any) -> dict[str, Any]:
     """A LLaDA `config.json` with the published keys (values scaled down via `arch`)."""
     d_model = arch.get("d_model", 64)
@@ -36,6 +63,7 @@ def llada_config(vocab: int, ids: dict[str, int], **arch: Any) -> dict[str, Any]
         "activation_type": "silu",
         "alibi": False,
         "architectures": ["LLaDAModelLM"],
+        "auto_map": AUTO_MAPS["llada"],
         "attention_dropout": 0.0,
         "attention_layer_norm": False,
         "block_type": "llama",
@@ -73,6 +101,7 @@ def dream_config(vocab: int, ids: dict[str, int], **arch: Any) -> dict[str, Any]
     return {
         "architectures": ["DreamModel"],
         "attention_dropout": 0.0,
+        "auto_map": AUTO_MAPS["dream"],
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|endoftext|>"],
         "hidden_act": "silu",
@@ -103,6 +132,8 @@ def sdar_config(vocab: int, ids: dict[str, int], **arch: Any) -> dict[str, Any]:
         "architectures": ["SDARForCausalLM"],
         "attention_bias": False,
         "attention_dropout": 0.0,
+        "auto_map": AUTO_MAPS["sdar"],
+        "fuse_cross_entropy": True,
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|endoftext|>"],
         "block_size": arch.get("block_size", 4),
@@ -137,6 +168,7 @@ def llada2_config(vocab: int, ids: dict[str, int], **arch: Any) -> dict[str, Any
     return {
         "architectures": ["LLaDA2MoeModelLM"],
         "attention_dropout": 0.0,
+        "auto_map": AUTO_MAPS["llada2"],
         "embedding_dropout": 0.0,
         "eos_token_id": ids["<|endoftext|>"],
         "first_k_dense_replace": arch.get("first_k_dense_replace", 1),
@@ -310,6 +342,11 @@ def make_tiny_checkpoint(
     state = {k: v.to(dtype) for k, v in model.state_dict().items()}
     write_checkpoint(out, cfg, state)
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    if fam.name in TOKENIZER_AUTO_MAPS:
+        tok_config = out / "tokenizer_config.json"
+        tok = json.loads(tok_config.read_text())
+        tok["auto_map"] = TOKENIZER_AUTO_MAPS[fam.name]
+        tok_config.write_text(json.dumps(tok, indent=2))
     return out
 
 

@@ -169,7 +169,7 @@ class BatchStream(IterableDataset):
         info = get_worker_info()
         worker = info.id if info is not None else 0
         rng = random.Random(self.seed * 1_000_003 + worker)
-        tok = AutoTokenizer.from_pretrained(self.tok_dir)
+        tok = AutoTokenizer.from_pretrained(self.tok_dir, trust_remote_code=False)
         while True:
             yield make_batch(rng, tok, self.sp, self.batch_size, self.block_len)
 
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     tok_dir = Path(tempfile.mkdtemp(prefix=f"tiny-{args.family}-tok-"))
     ids = build_char_tokenizer(tok_dir, args.family)
-    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    tok = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=False)
     sp = Special.from_tokenizer(tok, args.family)
     block = args.block_size if args.family == "sdar" else None
     cfg = model_config(args, ids)

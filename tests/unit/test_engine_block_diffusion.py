@@ -24,6 +24,14 @@ SDAR_CASES = [
     {"max_tokens": 16, "block_length": 4, "steps": 2, "algorithm": "low_confidence_static"},
     {"max_tokens": 12, "block_length": 8, "steps": 4, "algorithm": "sequential"},
     {"max_tokens": 10, "block_length": 4, "algorithm": "entropy_bounded", "threshold": 2.0},
+    # SDAR's budget binds: one commit a forward, steps + 1 = block_length forwards a block
+    {
+        "max_tokens": 8,
+        "block_length": 4,
+        "steps": 3,
+        "algorithm": "entropy_bounded",
+        "threshold": 1e-9,
+    },
     {"max_tokens": 20, "block_length": 8, "steps": 8, "threshold": 0.3},
 ]
 LLADA2_CASES = [
@@ -102,6 +110,9 @@ def test_abort_frees_the_pages(sdar: Engine) -> None:
         ({"multi_block": True}, "multi_block"),
         ({"algorithm": "sequential", "edit_threshold": 0.5}, "edit_threshold"),
         ({"algorithm": "joint_threshold", "max_nfe": 4}, "max_nfe"),
+        # SDAR would leave the block masked after steps + 1 forwards
+        ({"algorithm": "entropy_bounded", "block_length": 8, "steps": 6}, "steps"),
+        ({"early_stop": True}, "early_stop"),
     ],
 )
 def test_block_diffusion_request_errors_name_the_field(
@@ -117,6 +128,8 @@ def test_seed_names_are_accepted(sdar: Engine) -> None:
         {"remasking_strategy": "entropy_bounded", "eb_threshold": 0.5, "block_size": 8}
     )
     assert (r.algorithm, r.threshold, r.block_length, r.steps) == ("entropy_bounded", 0.5, 8, 8)
+    r = sdar.resolve_params({"algorithm": "entropy_bounded", "block_length": 8, "steps": 7})
+    assert r.steps == 7  # steps + 1 forwards of one commit each fill the block
     r = sdar.resolve_params({"confidence_threshold": 0.7, "denoising_steps": 2})
     assert (r.algorithm, r.threshold, r.steps, r.block_length) == (
         "low_confidence_dynamic",

@@ -167,9 +167,14 @@ def test_sdar_dynamic_threshold_branches(lm) -> None:
 
 def test_sdar_entropy_bounded(lm) -> None:
     prompt = _prompt(lm, BL)
-    one = _sdar(lm, prompt, denoising_steps=2, remasking_strategy="entropy_bounded", eb_threshold=0)
-    assert one.commits == [[1] * BL, [1] * BL]  # k >= 1; the step budget does not bind it
+    # k >= 1 a forward; upstream's budget is denoising_steps + 1 forwards a block
+    one = _sdar(
+        lm, prompt, denoising_steps=BL - 1, remasking_strategy="entropy_bounded", eb_threshold=0
+    )
+    assert one.commits == [[1] * BL, [1] * BL]
     assert one.forwards == 2 * BL
+    with pytest.raises(ValueError, match="masks"):  # upstream would leave the block masked
+        _sdar(lm, prompt, denoising_steps=2, remasking_strategy="entropy_bounded", eb_threshold=0)
     every = _sdar(
         lm, prompt, denoising_steps=2, remasking_strategy="entropy_bounded", eb_threshold=1e9
     )
