@@ -241,8 +241,9 @@ class Engine:
             model_block=self.model_block,
         )
         check_vocab(resolved.logit_bias, self.runner.model_vocab)
+        resolved = self.structured.check(resolved)  # the constraint compiles, then its budget
         check_call_budget(resolved.tools, resolved.max_tokens, self.tokenizer)
-        return self.structured.check(resolved)
+        return resolved
 
     def add_request(
         self,
