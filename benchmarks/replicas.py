@@ -33,14 +33,14 @@ sys.path.insert(0, str(ROOT))
 
 from dlm_engine.training import tasks  # noqa: E402
 from dlm_triton.launcher import Ports, TritonServerProcess, free_port  # noqa: E402
-from dlm_triton.procs import http_ok, terminate  # noqa: E402
+from dlm_triton.procs import http_ok, spawn, terminate  # noqa: E402
 
 
 def start_proxy(grpc_urls: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "openai_proxy", "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", *[a for u in grpc_urls for a in ("--triton-url", u)]]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    proc = spawn(cmd, cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT)  # dies with us
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not http_ok(base + "/health"):

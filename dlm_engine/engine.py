@@ -310,10 +310,10 @@ class Engine:
         """Admit, run one denoising step for every running row, retire finished rows."""
         t0 = time.monotonic()
         outputs = self.drain_aborted()
-        if self._scoring:  # a chunk of samples, when scoring's share of the steps allows
-            outputs += self._score_step()
         if not self.runner.holds_lookahead_for(self.scheduler.running):
             self.scheduler.admit()  # else arrivals join next step: the forward ahead is taken
+        if self._scoring:  # a chunk of samples, when scoring's share of the steps allows
+            outputs += self._score_step()
         seqs = list(self.scheduler.running)
         self.last_step_rows = len(seqs)
         if not seqs:
@@ -419,7 +419,7 @@ class Engine:
     def _score_step(self) -> list[RequestOutput]:
         """One chunk of the next scoring request's samples if scoring's share of the steps
         allows it (generation rows go first); its output once it has all."""
-        turn = self._scoring.take_turn(bool(self.scheduler.running or self.scheduler.waiting))
+        turn = self._scoring.take_turn(bool(self.scheduler.running))
         if turn is None:
             return []
         job, rows = turn

@@ -192,15 +192,22 @@ class TritonPythonModel:
             time.sleep(0.05)
         for live in list(self._live.values()):
             self.loop.cancel(live.rid)
-        deadline = time.monotonic() + 2.0
+        # everything after the drain shares one budget: the launcher sets DRAIN_TIMEOUT_S to
+        # half of Triton's exit timeout, so finalize ends (at 1.8x) before Triton gives up
+        end = started + 1.8 * DRAIN_TIMEOUT_S
+
+        def left(cap: float) -> float:
+            return max(0.1, min(cap, end - time.monotonic()))
+
+        deadline = time.monotonic() + left(2.0)
         while self._live and time.monotonic() < deadline:
             time.sleep(0.02)
         try:
-            self.loop.shutdown(timeout=5.0)
+            self.loop.shutdown(timeout=left(5.0))
         except Exception as exc:  # finalize must finish every request anyway
             pb_utils.Logger.log_warn(f"engine loop shutdown: {exc}")
         self._outbox.put(None)
-        self._sender.join(timeout=5.0)
+        self._sender.join(timeout=left(5.0))
         self._stop.set()
         for live in list(self._live.values()):
             self._fail(live, "internal error: the model was unloaded before the request finished")

@@ -23,6 +23,7 @@ import pytest
 from embedded_server import embedded_server as serve_embedded
 
 from dlm_triton.launcher import TritonServerProcess, proxy_command
+from dlm_triton.procs import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,7 +74,7 @@ def proxy_url(
     log_path = tmp_path_factory.mktemp("proxy") / "proxy.log"
     url = f"http://127.0.0.1:{embedded_server.ports.proxy}"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.monotonic() + 60
             while not _ready(f"{url}/health"):

@@ -29,7 +29,7 @@ from conftest import TEST_MODEL, requires_triton, start_server
 from proxy_fixtures import ProxyProcess
 
 from dlm_triton.launcher import SHM_DIR, SHM_PREFIX, Ports, TritonServerProcess
-from dlm_triton.procs import alive, cmdline, http_ok, proc_children
+from dlm_triton.procs import alive, cmdline, http_ok, proc_children, spawn
 
 pytestmark = requires_triton
 
@@ -126,7 +126,7 @@ class LauncherProcess:
         self.ports = Ports.free()
         self.grpc = f"127.0.0.1:{self.ports.grpc}"
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
+        self.proc = spawn(  # dies with the test run, even a killed one
             [
                 str(Path(sys.executable).with_name("dlm-triton")), "serve",
                 "--model", str(checkpoint), "--model-name", MODEL, "--device", "cpu",
