@@ -19,7 +19,7 @@ at once, as above, and its rows run in chunks of at most `step_tokens` tokens (o
 least: a text's attention is not split), one chunk in a step. The chunk size depends only on
 the text and the setting, never on what else runs, so the estimate is the same alone or beside
 generation. Scoring ranks below generation, whatever the requests' priorities: while
-generation rows run or wait, it earns per step half the tokens the generation rows feed (at
+generation rows run (a request that just arrived joins them first), it earns per step half the tokens the generation rows feed (at
 most `step_tokens`) and runs a chunk only when its earnings cover the chunk's tokens. So it
 feeds at most half the tokens of the generation beside it (a neighbour's steps cost about 1.5x
 their own forwards at most), a request that arrives while a chunk runs waits for that one chunk
@@ -183,7 +183,8 @@ class ScoringQueue:
 
     def take_turn(self, generation_busy: bool) -> tuple[ScoreJob, int] | None:
         """The chunk to run in this step, or None: scoring waits for its share. With no
-        generation row running or waiting, a chunk every step (and nothing banked for later)."""
+        generation row running (rows that cannot join yet do not stall it), a chunk every step
+        and nothing banked for later."""
         if not self.jobs:
             return None
         job, rows = self.next_chunk()

@@ -259,3 +259,19 @@ def test_scoring_banks_at_most_one_chunk() -> None:
     assert long.credit == 250  # a text longer than the budget: banked up to that one text
     assert long.take_turn(generation_busy=True) == (long.jobs[0], 1) and long.credit == 0
     assert long.remove("l") is not None and long.credit == 0 and not long
+
+
+def test_a_row_that_cannot_join_does_not_stall_scoring(ckpt_dir: dict[str, Path]) -> None:
+    """Scoring yields to rows that run, not to rows that wait: one whose KV pages never come
+    free (reserve refuses it) leaves scoring running a forward every step."""
+    eng = _engine(ckpt_dir)
+    eng.scheduler.reserve = lambda seq: False
+    prompt = eng.encode_prompt(messages=[{"role": "user", "content": "abc"}])
+    eng.add_request("stuck", prompt, GEN)
+    ids = _text(eng, 40)
+    eng.add_request("s", ids, {"score": True, "mc_samples": 16, "seed": 1})
+    out, steps = _run_until(eng, "s")
+    assert out.score["mc_samples"] == 16 and steps == out.steps == 2
+    assert "stuck" in eng.scheduler and not eng.scheduler.running
+    eng.abort("stuck")
+    assert [o.finish_reason for o in eng.step()] == ["abort"]
