@@ -14,7 +14,11 @@ diffusion model.
   `%json` with the function's `parameters` schema, so every finished answer's arguments parse
   and validate. `auto` leaves the model free and parses calls from its text.
 * While a call may be under way the streamed content stops at `<tool_call>`; at the end the
-  calls are parsed and the answer carries them with `finish_reason: tool_calls`.
+  calls are parsed and the answer carries them with `finish_reason: tool_calls`. No markup is
+  ever content: a call cut inside its arguments by `max_tokens` comes as it stands, with
+  `finish_reason: length`, as OpenAI answers one.
+* A constrained call keeps room at the end of its canvas for the shortest arguments its schema
+  needs and the closing markup; a `max_tokens` that cannot hold the smallest call is refused.
 """
 
 from __future__ import annotations

@@ -218,6 +218,22 @@ BAD = [
         },
         "tools",
     ),  # fmt: skip
+    (  # a schema that cannot compile is named first, whatever the budget
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "integer", "minimum": 5, "maximum": 1},
+                    },
+                }
+            ],
+            "tool_choice": "required",
+            "max_tokens": 8,
+        },
+        "tools",
+    ),  # fmt: skip
 ]
 
 
