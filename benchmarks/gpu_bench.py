@@ -243,7 +243,7 @@ def main() -> None:
 
             rows += run_algorithms(engine, model_name, batches, args.iters, out)
             continue
-        if args.section == "structured":  # issue 17: grammar-constrained rows' step cost
+        if args.section == "structured":  # grammar-constrained rows' step cost
             from gpu_bench_structured import run as run_structured
 
             rows += run_structured(engine, model_name, batches, out)

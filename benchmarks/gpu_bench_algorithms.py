@@ -1,4 +1,4 @@
-"""GPU benchmark section for issue 15: what each decoding algorithm costs per forward.
+"""GPU benchmark section: what each decoding algorithm costs per forward.
 
 Run through `benchmarks/gpu_bench.py --section algorithms` (LLaDA-8B and Dream-7B
 architectures, random bf16 weights, CUDA graphs as served):
@@ -38,7 +38,7 @@ ALGORITHMS: dict[str, dict] = {
 }
 LLADA_ONLY = {"factor", "local_leap"}
 # cached steps at equal query length (the suffix from the prompt's end): Fast-dLLM's prefix
-# cache inside a block against d3LLM's delayed cache on a span step (issue 15, point 3)
+# cache inside a block against d3LLM's delayed cache on a span step
 CACHED: dict[str, dict] = {
     "low_confidence, prefix cache, in-block": dict(steps=CANVAS, cache="prefix"),
     "multi_block, prefix cache, span step": dict(multi_block=True, threshold=0.5, cache="prefix"),

@@ -1,4 +1,4 @@
-"""GPU benchmark of block-diffusion models (issue 16): the engine against the plain no-cache
+"""GPU benchmark of block-diffusion models: the engine against the plain no-cache
 restatement of each upstream loop and against the weight-read floor of a step.
 
     python benchmarks/gpu_bench_block.py --models sdar-4b,sdar-8b,llada2-mini \

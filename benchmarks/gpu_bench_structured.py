@@ -1,4 +1,4 @@
-"""gpu_bench.py --section structured: per-step cost of grammar-constrained rows (issue 17).
+"""gpu_bench.py --section structured: per-step cost of grammar-constrained rows.
 
 Same prompts and schedule (one token per step), batch of unconstrained rows vs the same batch
 with every row constrained by a JSON schema; ms per step = wall time / forwards. Prints the

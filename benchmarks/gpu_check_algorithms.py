@@ -1,4 +1,4 @@
-"""Issue 15's decoding algorithms on the GPU: the fast path (packed forward, CUDA graphs on
+"""The accelerated decoding algorithms on the GPU: the fast path (packed forward, CUDA graphs on
 bucketed shapes, KV pool slots) against the plainly restated upstream loops.
 
     python benchmarks/gpu_check_algorithms.py     # one line a check; exits 1 on a mismatch

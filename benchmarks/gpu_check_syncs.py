@@ -1,4 +1,4 @@
-"""Where a denoising step makes the host wait for the GPU (issue 15, point 3).
+"""Where a denoising step makes the host wait for the GPU.
 
     python benchmarks/gpu_check_syncs.py     # one line per case; exits 1 on an unexpected wait
 

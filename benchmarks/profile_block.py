@@ -1,4 +1,4 @@
-"""Where a block-diffusion step's time goes at a given batch (issue 16): cProfile of the
+"""Where a block-diffusion step's time goes at a given batch: cProfile of the
 host side of steady-state steps, plus the step wall time with and without waiting for the
 device. `python benchmarks/profile_block.py --model sdar-4b --batch 128`."""
 

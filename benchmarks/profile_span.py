@@ -1,5 +1,5 @@
-"""Where a cached in-block step's time goes at batch 1 (issue 14's goal: dual cache, in-block
-step <= 7.5 ms on the H100). Prints the step's wall time, the device's busy time per step
+"""Where a cached in-block step's time goes at batch 1 (dual cache, in-block; the target and the
+figures are in docs/benchmarks.md). Prints the step's wall time, the device's busy time per step
 (sum of kernel times from the profiler), the host time per step, the floor set by reading the
 weights once at the measured memory bandwidth, and the kernels that take the device time.
 

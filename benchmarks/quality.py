@@ -87,7 +87,7 @@ def cache_settings(max_tokens: int, block: int = 8) -> list[Setting]:
 
 
 def accel_settings(max_tokens: int, block: int = 8) -> list[Setting]:
-    """Issue 15: each accelerated algorithm over its main threshold, beside k and threshold."""
+    """Each accelerated algorithm over its main threshold, beside k and threshold."""
     mt = {"max_tokens": max_tokens}
     out = [Setting(f"k={k}", dict(mt, steps=max_tokens // k)) for k in (1, 4)]
     out += [Setting(f"threshold={t}", dict(mt, threshold=t)) for t in (0.9, 0.5)]
@@ -125,7 +125,7 @@ def accel_settings(max_tokens: int, block: int = 8) -> list[Setting]:
 
 
 def block_settings(max_tokens: int, block: int = 4) -> list[Setting]:
-    """Issue 16, the embedded block-diffusion tiny-sdar (blocks of 4): SDAR's four commit
+    """The embedded block-diffusion tiny-sdar (blocks of 4): SDAR's four commit
     rules; `steps` counts per block, so k = block / steps tokens a forward for the static
     rules and at least that many for the dynamic and entropy-bounded ones; then Diffulex's
     multi_bd (several blocks a forward) at buffer sizes 1, 2 and 4."""

@@ -1,4 +1,4 @@
-"""Where a block-diffusion request's blocks lie, and what its next forward feeds (issue 16).
+"""Where a block-diffusion request's blocks lie, and what its next forward feeds.
 
 SDAR and LLaDA2 split the whole sequence, prompt included, into blocks of `block_length`
 aligned to absolute position 0: attention is causal across blocks and bidirectional inside

@@ -56,7 +56,7 @@ class EngineConfig:
     fused_kernels: bool = True  # torch.compile the elementwise pieces on CUDA devices
     # queue the next in-block forward before a step's copy (dlm_engine/lookahead.py; CUDA only)
     lookahead: bool = True
-    # issue 16: block-diffusion rows keep their keys/values in pages of one pool
+    # block-diffusion rows keep their keys/values in pages of one pool
     # (dlm_engine/paged_kv.py). Tokens it holds; 0 = automatic: on CUDA the share
     # kv_cache_memory_fraction of the memory free after the weights load, on CPU 32768 tokens
     # (at least one row of max_prompt + max_canvas, at most max_rows of them)

@@ -93,9 +93,9 @@ class Engine:
             reserve=self.runner.admit,
         )
         self._texts: dict[str, StableText] = {}
-        self._logprobs: dict[str, LogprobStream] = {}  # issue 17: requests with `logprobs`
+        self._logprobs: dict[str, LogprobStream] = {}  # requests with `logprobs`
         self._token_texts = TokenTexts(lm.tokenizer)
-        self._tool_texts: dict[str, ToolCallText] = {}  # issue 17: requests with tools
+        self._tool_texts: dict[str, ToolCallText] = {}  # requests with tools
         self._template_tools = template_has_tools(lm.tokenizer)
         # scoring requests, below generation in the steps' share (scoring.py)
         self._scoring = ScoringQueue(config.score_tokens, int(lm.model.vocab_size))
@@ -113,7 +113,7 @@ class Engine:
         self.default_max_tokens = config.default_max_tokens or generation_length(
             lm.path, lm.family.name
         )
-        # issue 16: a block-diffusion model's trained block (SDAR config `block_size`); 0 = not
+        # a block-diffusion model's trained block (SDAR config `block_size`); 0 = not
         self.model_block = (
             int(lm.config.get("block_size") or lm.family.default_block_length)
             if getattr(lm.family, "block_diffusion", False)

@@ -1,4 +1,4 @@
-"""The next step's forward, queued before the host reads this step's results (issue 14).
+"""The next step's forward, queued before the host reads this step's results.
 
 Between two in-block steps the device used to idle while the host waited for the step's
 committed windows, advanced each row and replayed the next graph: ~0.7-0.9 ms of an 8B model's

@@ -108,7 +108,7 @@ class ModelRunner:
         # attention, and positions sent through the output head
         self.work = {"tokens": 0, "attn_pairs": 0, "logit_positions": 0}
         self.constraint_runtime: ConstraintRuntime | None = None  # set on first constrained row
-        # issue 16: block-diffusion rows' page tables over a page pool (`use_pages`)
+        # block-diffusion rows' page tables over a page pool (`use_pages`)
         self.block_pages: BlockPages | None = None
 
     # ---- the forward ------------------------------------------------------------------------
@@ -296,7 +296,7 @@ class ModelRunner:
         copied.synchronize()  # the one copy (the next forward keeps the device busy)
         return pinned.tolist()
 
-    # ---- block rows' pages (issue 16) --------------------------------------------------------
+    # ---- block rows' pages --------------------------------------------------------
     def use_pages(
         self,
         block: int,
@@ -423,9 +423,9 @@ class ModelRunner:
         plan = CommitPlan([row_rule(s, self.family) for s in seqs], dev)
         k = plan.k
         guard = RowGuard(len(seqs), dev)
-        from .decoding.logprobs import LogprobStep  # issue 17
+        from .decoding.logprobs import LogprobStep
 
-        logprobs = LogprobStep.build(seqs, dev)  # issue 17: only rows that ask
+        logprobs = LogprobStep.build(seqs, dev)  # only rows that ask
         if logprobs:  # before anything below edits the logits in place
             logprobs.capture(logits)
         bias = LogitBiasStep.build(seqs, dev)  # OpenAI's logit_bias: only rows that carry one

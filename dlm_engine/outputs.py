@@ -24,14 +24,14 @@ class RequestOutput:
     canvas: list[str | None] | None = None
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
-    # issue 17, requests with `logprobs`: one entry per completion token newly covered by this
+    # requests with `logprobs`: one entry per completion token newly covered by this
     # output's text (as `delta_text`; all remaining ones on the final output), each
     # {token_id, token, bytes, logprob, step, top_logprobs} (dlm_protocol.response.LOGPROB_FIELDS)
     logprobs: list[dict[str, Any]] | None = None
-    # issue 17, requests with tools: on the final output, the calls in OpenAI's shape
+    # requests with tools: on the final output, the calls in OpenAI's shape
     # ({id, type: function, function: {name, arguments}}); `finish_reason` is then `tool_calls`
     tool_calls: list[dict[str, Any]] | None = None
-    # issue 17, scoring requests (`score`): {log_likelihood, variance, mc_samples, tokens}
+    # scoring requests (`score`): {log_likelihood, variance, mc_samples, tokens}
     score: dict[str, Any] | None = None
     # prompt tokens reused from the prefix cache (block-diffusion models; OpenAI's
     # `usage.prompt_tokens_details.cached_tokens`)

@@ -1,4 +1,4 @@
-"""The page pool of block-diffusion rows' keys and values (issue 16).
+"""The page pool of block-diffusion rows' keys and values.
 
 A block-diffusion row's keys and values live in fixed-size pages of one shared pool instead
 of one contiguous slot a row: a row holds only the pages its sequence covers, and pages of

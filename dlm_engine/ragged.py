@@ -1,4 +1,4 @@
-"""One forward per step, whatever phase each row is in (issue 14).
+"""One forward per step, whatever phase each row is in.
 
 A step's rows differ in what they feed the model: an exact row (and a cached row at a block
 start, which refreshes its cache) feeds its whole sequence; a cached row inside a block feeds
@@ -20,7 +20,7 @@ no weights, works per row:
   cache (Fast-dLLM's approximation, unchanged); laid out at their own slots (empty slots as
   padding rows) they read the pool as a view, unless the empty slots would outnumber them
   (then one gather a layer);
-* block-diffusion rows (issue 16) keep their keys in pages (dlm_engine/paged_kv.py): their
+* block-diffusion rows keep their keys in pages (dlm_engine/paged_kv.py): their
   fresh keys are written through their page tables, then their pages are gathered into a
   per-row key layout and each query attends block-causally (keys before its block's end);
 * the per-row outputs are gathered back into packed order.
@@ -62,7 +62,7 @@ class RowQuery:
     length: int
     window_start: int
     slot: int | None = None
-    block: int = 0  # block-diffusion rows (issue 16): block-causal attention over its pages
+    block: int = 0  # block-diffusion rows: block-causal attention over its pages
     pages: list[int] | None = None  # block rows: their page table, covering [0, length)
 
     @property
@@ -76,7 +76,7 @@ class RowQuery:
         return "span" if self.span else "fresh"
 
 
-# attention groups: over own fresh keys, over the pool, block-causal over pages (issue 16)
+# attention groups: over own fresh keys, over the pool, block-causal over pages
 GROUPS = ("fresh", "span", "block")
 
 

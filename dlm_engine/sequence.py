@@ -43,7 +43,7 @@ class Sequence:
         self.family = family
         self.mask_id = mask_id
         self.prompt_len = len(prompt_ids)
-        # issue 16: block-diffusion rows decode absolute-aligned blocks over an exact KV cache
+        # block-diffusion rows decode absolute-aligned blocks over an exact KV cache
         self.layout = (
             BlockLayout(self.prompt_len, params.block_length, params.max_tokens)
             if params.block_diffusion
@@ -80,11 +80,11 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.constraint: RowConstraint | None = None  # grammar matcher (decoding/constraints)
-        # issue 17: canvas position -> its committed token's logprob (rows with `logprobs`)
+        # canvas position -> its committed token's logprob (rows with `logprobs`)
         self.logprobs: dict[int, TokenLogprob] = {}
         self._llada_schedule = llada_block_schedule(params.block_length, params.steps_per_block)
         self._dream_schedule = DreamSchedule(params.steps_per_block)
-        self.multi = (  # d3LLM multi-block decoding: several blocks in flight (issue 15)
+        self.multi = (  # d3LLM multi-block decoding: several blocks in flight
             MultiBlockState(
                 params.max_tokens,
                 params.block_length,
@@ -102,7 +102,7 @@ class Sequence:
             if params.accel.multi_block
             else None
         )
-        # issue 16: Diffulex multi-block diffusion: a running set of several blocks
+        # Diffulex multi-block diffusion: a running set of several blocks
         self.mbd = (
             MultiBDState(
                 self.layout,

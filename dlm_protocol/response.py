@@ -6,7 +6,7 @@ from __future__ import annotations
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
-FINISH_TOOL_CALLS = "tool_calls"  # issue 17: the answer is tool calls (`tool_calls` output)
+FINISH_TOOL_CALLS = "tool_calls"  # the answer is tool calls (`tool_calls` output)
 OPENAI_FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_TOOL_CALLS)
 
 # Extra fields of OpenAI's `usage` object (non-streaming bodies and the include_usage chunk).
@@ -21,7 +21,7 @@ CHUNK_EXTRAS: dict[str, str] = {
     "steps": "forwards used so far",
 }
 
-# issue 17: one token's entry in the `logprobs` output (a JSON list per response); the proxy
+# one token's entry in the `logprobs` output (a JSON list per response); the proxy
 # turns it into OpenAI's per-token object and keeps `step` as an extra field.
 LOGPROB_FIELDS: dict[str, str] = {
     "token_id": "the token's id",
@@ -36,7 +36,7 @@ LOGPROB_FIELDS: dict[str, str] = {
 }
 
 # Chat roles the engine's chat templates know; OpenAI's newer `developer` is `system`.
-# `tool` (issue 17): a tool's result, with `tool_call_id`; an assistant message may carry
+# `tool`: a tool's result, with `tool_call_id`; an assistant message may carry
 # `tool_calls` (OpenAI's shape) instead of content.
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}

@@ -1,4 +1,4 @@
-"""Shapes of the structure keys (issue 17), checked with the rest of the contract: each function
+"""Shapes of the structure keys, checked with the rest of the contract: each function
 returns why a value is malformed, or None. Whether a well-formed schema, regex or grammar
 compiles is the engine's check (llguidance), with the same field name in its error."""
 
@@ -54,7 +54,7 @@ def string_list(value: Any) -> str | None:
     return None
 
 
-# ---- issue 17: tool calling (OpenAI's `tools` and `tool_choice`; the engine checks the rest) ----
+# ---- tool calling (OpenAI's `tools` and `tool_choice`; the engine checks the rest) ----
 TOOL_CHOICES = ("none", "auto", "required")
 
 

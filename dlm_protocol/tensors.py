@@ -86,7 +86,7 @@ CANVAS = TensorSpec(
     '`denoise` mode: JSON list (token strings, `null` = masked); otherwise `""`',
 )
 
-# issue 17: only for requests with the `logprobs` key (dlm_protocol.response.LOGPROB_FIELDS)
+# only for requests with the `logprobs` key (dlm_protocol.response.LOGPROB_FIELDS)
 LOGPROBS = TensorSpec(
     "logprobs",
     "BYTES",
@@ -95,7 +95,7 @@ LOGPROBS = TensorSpec(
     '(`token_id`, `token`, `bytes`, `logprob`, `step`, `top_logprobs`); otherwise `""`',
 )
 
-# issue 17: requests with `tools` (dlm_engine/tools.py)
+# requests with `tools` (dlm_engine/tools.py)
 TOOL_CALLS = TensorSpec(
     "tool_calls",
     "BYTES",
@@ -105,7 +105,7 @@ TOOL_CALLS = TensorSpec(
     'model called tools (`finish_reason` `tool_calls`); otherwise `""`',
 )
 
-# issue 17: scoring requests (`score`; dlm_engine/scoring.py)
+# scoring requests (`score`; dlm_engine/scoring.py)
 SCORE = TensorSpec(
     "score",
     "BYTES",

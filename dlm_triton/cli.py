@@ -151,7 +151,7 @@ def _generate_parser(sub: Any) -> None:
     )
 
 
-_FLAG_TYPES = {"int": int, "float": float, "str": str, "json": str}  # json: issue 17
+_FLAG_TYPES = {"int": int, "float": float, "str": str, "json": str}  # json: JSON text
 
 
 def _param_flag(parser: argparse.ArgumentParser, param: Param) -> None:

@@ -72,7 +72,7 @@ class Metrics:
         self.generated_tokens = self._metric(
             "dlm_generated_tokens_total", "Completion tokens generated", counter
         )
-        # issue 16: block-diffusion prompt blocks reused from the prefix cache (hit rate =
+        # block-diffusion prompt blocks reused from the prefix cache (hit rate =
         # hit / lookup tokens)
         self.prefix_lookup_tokens = self._metric(
             "dlm_prefix_cache_lookup_tokens_total",

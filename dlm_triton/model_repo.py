@@ -66,17 +66,17 @@ class ModelSpec:
 
 
 # The committed repository. Hub ids are resolved by the engine's loader (local HF cache);
-# "tiny-dlm" and "tiny-sdar" (block diffusion, issue 16) are embedded in dlm_engine/assets/.
+# "tiny-dlm" and "tiny-sdar" (block diffusion) are embedded in dlm_engine/assets/.
 MODELS = [
     ModelSpec("tiny-dlm", "tiny-dlm", max_rows=16, max_canvas=512, max_prompt=1024),
     ModelSpec("tiny-sdar", "tiny-sdar", max_rows=16, max_canvas=512, max_prompt=1024),
     ModelSpec("llada-8b-instruct", "GSAI-ML/LLaDA-8B-Instruct", dtype="bfloat16"),
     ModelSpec("llada-1.5", "GSAI-ML/LLaDA-1.5", dtype="bfloat16"),
     ModelSpec("dream-v0-instruct-7b", "Dream-org/Dream-v0-Instruct-7B", dtype="bfloat16"),
-    # d3LLM (issue 15): LLaDA / Dream layouts; multi-block decoding is their default
+    # d3LLM: LLaDA / Dream layouts; multi-block decoding is their default
     ModelSpec("d3llm-llada", "d3LLM/d3LLM_LLaDA", dtype="bfloat16"),
     ModelSpec("d3llm-dream", "d3LLM/d3LLM_Dream", dtype="bfloat16"),
-    # block diffusion (issue 16): exact KV cache of finished blocks, steps counted per block
+    # block diffusion: exact KV cache of finished blocks, steps counted per block
     ModelSpec("llada2-mini", "inclusionAI/LLaDA2.0-mini", dtype="bfloat16"),
     ModelSpec("llada2.1-mini", "inclusionAI/LLaDA2.1-mini", dtype="bfloat16"),
     ModelSpec("sdar-4b-chat", "JetLM/SDAR-4B-Chat", dtype="bfloat16", max_rows=64),

@@ -76,7 +76,7 @@ def _messages(array: np.ndarray) -> list[dict[str, str]]:
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise RequestError(f"messages[{i}]: expected an object with a string 'role'")
-        # an assistant message that calls tools may have no content (issue 17)
+        # an assistant message that calls tools may have no content
         if not isinstance(msg.get("content"), str) and not (
             msg.get("content") is None and msg.get("tool_calls")
         ):

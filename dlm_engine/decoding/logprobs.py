@@ -1,4 +1,4 @@
-"""Log-probabilities of committed tokens, for the rows that ask (`logprobs` key, issue 17).
+"""Log-probabilities of committed tokens, for the rows that ask (`logprobs` key).
 
 A diffusion model commits a position in some step; the token's log-probability is that of the
 model's distribution at that position in that step: `log_softmax(logits / T)` with the row's

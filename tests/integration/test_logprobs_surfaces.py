@@ -1,4 +1,4 @@
-"""Logprobs through every surface (issue 17): the real proxy with the official `openai` client
+"""Logprobs through every surface: the real proxy with the official `openai` client
 (chat `logprobs` + `top_logprobs`, completions `logprobs: N`, streamed and not, each token with
 the diffusion `step` that committed it), and Triton gRPC and HTTP through `dlm_client`."""
 

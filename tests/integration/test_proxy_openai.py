@@ -1,6 +1,6 @@
 """The official `openai` client against the real proxy and a real tritonserver (tiny model).
 
-Covers issue 4's API acceptance: chat and completions, prompt shapes, n > 1, stop strings,
+Covers the API's acceptance criteria: chat and completions, prompt shapes, n > 1, stop strings,
 usage, finish_reason, seeds, streaming (sync and async) equal to non-streamed text, denoise
 events, diffusion fields and Triton-side validation surfacing as 400.
 """
@@ -260,7 +260,7 @@ def test_diffusion_fields_pass_through(oai: openai.OpenAI, model: str) -> None:
 
 
 def test_accelerated_decoding_fields_pass_through(oai: openai.OpenAI, model: str) -> None:
-    """Issue 15: dlmserve's LocalLeap fields and d3LLM's multi-block keys reach the engine;
+    """dlmserve's LocalLeap fields and d3LLM's multi-block keys reach the engine;
     a bad combination is a 400 naming the field."""
     for extra in (
         {"use_local_leap": True, "local_leap_radius": 2, "force_single_batch": True},
@@ -283,7 +283,7 @@ def test_unsupported_openai_fields_are_400(oai: openai.OpenAI, model: str) -> No
     with pytest.raises(openai.BadRequestError) as info:
         oai.chat.completions.create(model=model, messages=MSG, presence_penalty=0.5)
     assert info.value.param == "presence_penalty"
-    with pytest.raises(openai.BadRequestError) as info:  # supported (issue 17), but not "xml"
+    with pytest.raises(openai.BadRequestError) as info:  # supported, but not "xml"
         oai.chat.completions.create(model=model, messages=MSG, response_format={"type": "xml"})
     assert (info.value.param or "").startswith("response_format")
     with pytest.raises(openai.BadRequestError):

@@ -1,7 +1,7 @@
 """Three real tritonservers behind one proxy, under streaming load, while one is SIGKILLed and
 another gets SIGTERM (the way Kubernetes stops a pod), then the killed one comes back.
 
-What must hold (issue 19): no request that had not started streaming fails (the proxy moves it
+What must hold: no request that had not started streaming fails (the proxy moves it
 to another replica), every started stream completes or ends with a clear error event, the load
 spreads onto the restarted replica, and no process or /dev/shm file of ours is left behind.
 Phases advance on counts of finished requests, never on timings.

@@ -1,4 +1,4 @@
-"""Scoring a prompt (issue 17): completions `echo: true` + `max_tokens: 0` through the real proxy
+"""Scoring a prompt: completions `echo: true` + `max_tokens: 0` through the real proxy
 with the official `openai` client (plain and streamed), and the contract's `score` key over
 Triton gRPC and HTTP: the same seeded estimate everywhere, per-token values summing to it."""
 

@@ -1,4 +1,4 @@
-"""Tool calls through every surface (issue 17): the real proxy with the official `openai`
+"""Tool calls through every surface: the real proxy with the official `openai`
 client (`tools`, `tool_choice` none / auto / required / a named function, streamed and not,
 the client's `parse` helper with a pydantic tool, tool results sent back), and Triton gRPC and
 HTTP through `dlm_client`. The session model is a random-weight LLaDA: with `required` or a

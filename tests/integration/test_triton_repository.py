@@ -22,7 +22,7 @@ EXPECTED_MODELS = {
     "dream-v0-instruct-7b",
     "d3llm-llada",
     "d3llm-dream",
-    # issue 16: block-diffusion models
+    # block-diffusion models
     "llada2-mini",
     "llada2.1-mini",
     "sdar-4b-chat",

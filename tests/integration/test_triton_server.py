@@ -155,7 +155,7 @@ def test_outputs_equal_the_engines_own(client: DLMClient, tiny_checkpoint: Path)
             {"prompt": "seeded"},
             {"max_tokens": 16, "temperature": 0.8, "seed": 7},
         ),
-        # issue 15: accelerated rules through Triton's sampling_parameters, seeds' names too
+        # accelerated rules through Triton's sampling_parameters, seeds' names too
         (
             {"text": "Sort: 5 3 9 1"},
             {"prompt": "Sort: 5 3 9 1"},

@@ -1,4 +1,4 @@
-"""Issue 15: LocalLeap, d3LLM entropy threshold and multi-block, Fast-dLLM factor.
+"""LocalLeap, d3LLM entropy threshold and multi-block, Fast-dLLM factor.
 
 At temperature 0 each equals its plainly restated upstream loop (`dlm_engine.reference`)
 token for token at batch 1; batched with unlike rows (other algorithms, multi-block beside

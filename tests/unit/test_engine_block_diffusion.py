@@ -1,4 +1,4 @@
-"""The engine's block-diffusion path (issue 16) equals the plain no-cache restatements of the
+"""The engine's block-diffusion path equals the plain no-cache restatements of the
 published loops (dlm_engine/reference_block.py) token for token at temperature 0: each
 request alone, and all of them in one batch with unlike prompts, blocks, steps and rules.
 

@@ -1,4 +1,4 @@
-"""Request `priority` (issue 14): waiting requests are admitted lowest value first, in arrival
+"""Request `priority`: waiting requests are admitted lowest value first, in arrival
 order among equals; a running row is never preempted; priority never changes a request's tokens.
 """
 

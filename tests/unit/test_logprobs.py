@@ -1,4 +1,4 @@
-"""Log-probabilities of committed tokens (issue 17): each reported value is recomputed by an
+"""Log-probabilities of committed tokens: each reported value is recomputed by an
 independent full forward over the canvas as it was before the committing step, batching
 changes nothing, and rows that did not ask get nothing."""
 

@@ -1,4 +1,4 @@
-"""Issue 15: d3LLM's multi-block decoding with its delayed KV cache (`multi_block` with
+"""d3LLM's multi-block decoding with its delayed KV cache (`multi_block` with
 `cache: prefix`).
 
 At temperature 0 the engine equals the plain restatement of d3LLM's cached loop

@@ -167,7 +167,7 @@ def test_openapi_documents_diffusion_fields(client: TestClient) -> None:
     assert "low_confidence" in algorithms and "entropy" in algorithms
     assert "presence_penalty" not in props  # rejected fields are not advertised
     assert "logit_bias" in props and "metadata" in props
-    assert "logprobs" in props and "tools" in props  # supported (issue 17)
+    assert "logprobs" in props and "tools" in props  # supported
     assert "prompt" in schema["components"]["schemas"]["CompletionRequest"]["properties"]
 
 

@@ -178,7 +178,7 @@ def test_response_bodies_sorted_by_index() -> None:
 
 
 def test_acceleration_keys_and_seed_aliases_reach_the_engine() -> None:
-    """Issue 15: LocalLeap (with dlmserve's names), multi-block and factor keys pass through."""
+    """LocalLeap (with dlmserve's names), multi-block and factor keys pass through."""
     req = chat(
         use_local_leap=True,
         local_leap_anchor_threshold=0.8,

@@ -186,7 +186,7 @@ def test_messages_validation() -> None:
     assert chat_error(messages=[])[0] == ("messages",)
     loc, msg = chat_error(messages=[{"role": "function", "content": "x", "name": "f"}])
     assert loc == ("messages", 0, "role") and "tool" in msg
-    # issue 17: tool results and assistant calls
+    # tool results and assistant calls
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     req = chat(messages=[{"role": "assistant", "content": None, "tool_calls": [call]},
                          {"role": "tool", "content": "x", "tool_call_id": "c1"}])  # fmt: skip
@@ -250,7 +250,7 @@ def test_completion_neutral_legacy_fields() -> None:
 
 
 def test_logprobs_map_to_the_contract_key() -> None:
-    """Chat `logprobs: true` + `top_logprobs`, completions `logprobs: N` (issue 17)."""
+    """Chat `logprobs: true` + `top_logprobs`, completions `logprobs: N`."""
 
     def chat(**kw: Any) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate({**CHAT, **kw})
@@ -277,7 +277,7 @@ def test_logprobs_map_to_the_contract_key() -> None:
 
 
 def test_echo_with_max_tokens_0_scores_the_prompt() -> None:
-    """Completions `echo: true` + `max_tokens: 0` = the contract's `score` (issue 17)."""
+    """Completions `echo: true` + `max_tokens: 0` = the contract's `score`."""
     from openai_proxy.config import ProxyConfig
     from openai_proxy.converters import sampling_parameters
 

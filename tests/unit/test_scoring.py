@@ -1,4 +1,4 @@
-"""Scoring a text under the masked-diffusion objective (issue 17, `score` + `mc_samples`): the
+"""Scoring a text under the masked-diffusion objective (`score` + `mc_samples`): the
 Monte-Carlo estimate agrees with the exact bound, computed by enumerating every mask of a short
 text, within its reported variance; per-token values sum to the total; seeded runs repeat;
 generation rows beside a scoring request are unchanged."""

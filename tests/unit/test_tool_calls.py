@@ -1,4 +1,4 @@
-"""Tool calls in the engine (issue 17): the tools reach the prompt through the chat template
+"""Tool calls in the engine: the tools reach the prompt through the chat template
 (Dream's Qwen2.5-style template) or a system message (LLaDA's has none); `required` and a named
 function give calls whose arguments parse and validate against the function's schema on
 random-weight LLaDA and Dream layouts; `auto` parses calls from the text and streams no part of
