@@ -15,7 +15,7 @@ from dlm_protocol.params import BLOCK_DIFFUSION_ONLY, UNIFORM_ONLY
 from dlm_triton import cli, model_repo
 from dlm_triton.settings import InstanceSettings
 from openai_proxy.config import ProxyConfig
-from openai_proxy.schemas import ChatCompletionRequest
+from openai_proxy.schemas import ChatCompletionRequest, CompletionRequest
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -108,6 +108,12 @@ def test_proxy_schema_has_every_key_and_alias() -> None:
         if alias == "max_completion_tokens":  # OpenAI's own field on chat, same check
             continue
         param = next(p for p in PARAMS if p.name == name)
+        if name == "logprobs":  # chat's is OpenAI's boolean; completions' is the count
+            req = CompletionRequest.model_validate(
+                {"model": "m", "prompt": "p", alias: param.examples[0]}
+            )
+            assert req.logprobs == param.check(param.examples[0])
+            continue
         req = ChatCompletionRequest.model_validate({**CHAT, alias: param.examples[0]})
         assert getattr(req, name) == param.check(param.examples[0]), alias
     props = ChatCompletionRequest.model_json_schema()["properties"]
