@@ -6,7 +6,7 @@ A step queues its forward (one CUDA graph replay) and then the commit rule's ker
 should wait once, for the small copy of the committed windows at the end of
 `ModelRunner.step`. Any other synchronising call made after the forward is queued stalls the
 host until the forward has finished, and every kernel launched after it then runs serially
-behind it (a Python scalar put by tensor index cost multi_block 0.5-0.8 ms a step on an H100).
+behind it (a Python scalar put by tensor index is such a call).
 
 Runs tiny random LLaDA and Dream checkpoints on CUDA (graphs captured as served) with
 `torch.cuda.set_sync_debug_mode("warn")`, every decoding algorithm alone and all in one batch,

@@ -4,8 +4,8 @@ at a block start: a refresh), timed eager and replayed from a graph, at several 
     python benchmarks/graph_vs_eager.py --out OUT_DIR       # LLaDA-8B architecture on CUDA
 
 An eager forward's host side (kernel launches, the compiled pieces' guards) is a fixed cost
-per step; a graph replays it for nothing but costs a capture (0.07-0.2 s on an 8B model) per new
-shape. `EngineConfig.cuda_graph_max_tokens` is set where the device's arithmetic outlasts the
+per step; a graph replays it for nothing but costs a capture (many eager forwards' worth) per
+new shape. `EngineConfig.cuda_graph_max_tokens` is set where the device's arithmetic outlasts the
 eager host side. Random bf16 weights (fixed schedules: the timing is honest); prompt 64,
 canvas 256, block 32, 64 steps: a refresh row feeds 320 tokens.
 """

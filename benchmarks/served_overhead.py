@@ -89,7 +89,7 @@ def main() -> None:
             seconds, texts["engine"] = in_process(engine, params)
             # the served targets take turns at going first: the one right after the in-process
             # request shares the two cores with this process's intra-op threads as they wind
-            # down, which cost it 1-3.6 ms here (docs/benchmarks.md)
+            # down, which slows it (docs/benchmarks.md)
             order = ("triton", "proxy") if i % 2 == 0 else ("proxy", "triton")
             took = {}
             for target in order:

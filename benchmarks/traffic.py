@@ -250,8 +250,8 @@ _HTTP = None
 
 
 def http_client():
-    """One HTTP client for every request thread: creating one per request costs ~50 ms of CPU
-    (it loads a CA bundle) under the GIL, which spread a burst of 32 "simultaneous" requests
+    """One HTTP client for every request thread: creating one per request costs tens of ms of
+    CPU (it loads a CA bundle) under the GIL, which spread a burst of 32 "simultaneous" requests
     over a second before they left the benchmark process."""
     global _HTTP
     if _HTTP is None:

@@ -1,7 +1,7 @@
 """One gRPC stream call per request over a channel the client keeps.
 
 tritonclient's synchronous ``start_stream`` opens a channel, starts a response thread and joins
-it again for every call: 2-3 ms a request on a 2-core CPU, more than the rest of the client.
+it again for every call, which costs a request more than the rest of the client does.
 Here the channel lives as long as the ``DLMClient`` and each request is one
 ``ModelStreamInfer`` call read in the caller's thread: the client half-closes after its one
 request and Triton ends the call once the final response is out, so nothing waits or leaks,

@@ -29,13 +29,13 @@ class EngineConfig:
     # an idle engine (no row running) that receives a cached row keeps gathering
     # arrivals until none came for admission_gap_ms, at most admission_window_ms, so the
     # requests of one burst start their first block together instead of the late ones waiting
-    # for the next block start (served clients reach the engine milliseconds apart: 8 gRPC
-    # streams sent "at once" landed over ~15 ms on CPU, 32 on an H100 host over more than
-    # 25 ms: the stub parses them one by one); exact rows never wait; 0 = off.
+    # for the next block start (served clients reach the engine milliseconds apart: streams
+    # sent "at once" land over tens of ms, as the stub parses them one by one); exact rows
+    # never wait; 0 = off.
     # Once a second request has come the gap grows to admission_burst_gap_ms: a burst's
-    # arrivals stall mid-way for tens of ms (32 streams through the proxy: gaps of 20-80 ms on
-    # the 2-core CPU; one 32-stream round in 18 split on the H100), while a lone request pays
-    # only the short gap (docs/architecture.md, "Gathering a burst")
+    # arrivals through the proxy can stall mid-way for tens of ms, while a lone request pays
+    # only the short gap (docs/architecture.md, "Gathering a burst"; figures in
+    # docs/benchmarks.md)
     admission_window_ms: float = 250.0
     admission_gap_ms: float = 8.0
     admission_burst_gap_ms: float = 40.0
@@ -47,10 +47,10 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay captured graphs for the forwards on CUDA devices
     max_cuda_graphs: int = 96  # shapes kept captured (one shared activation pool)
     # a step that feeds whole sequences (exact rows, cached rows at a block start) over more
-    # packed tokens than this runs eagerly instead of capturing a graph: a capture costs
-    # 0.07-0.2 s on an 8B model and such shapes (rows x lengths) rarely repeat, while past this
-    # size the GPU's arithmetic outlasts an eager forward's ~45 ms of host launches (LLaDA-8B,
-    # H100); in-block steps always replay graphs; 0 = capture every shape
+    # packed tokens than this runs eagerly instead of capturing a graph: a capture costs far
+    # more than one eager forward and such shapes (rows x lengths) rarely repeat, while past
+    # this size the GPU's arithmetic outlasts an eager forward's host launches; in-block steps
+    # always replay graphs; 0 = capture every shape
     # (docs/benchmarks.md, "CUDA graph captures under staggered arrivals")
     cuda_graph_max_tokens: int = 1536
     fused_kernels: bool = True  # torch.compile the elementwise pieces on CUDA devices

@@ -30,8 +30,8 @@ def worth_a_graph(packed_tokens: int, whole_sequences: bool, max_tokens: int) ->
     """Replay (capturing first) a graph for a forward? Not for one that feeds whole sequences
     (exact rows, cached rows at a block start) over more than `max_tokens` packed tokens
     (0: no limit): past the limit the GPU's arithmetic outlasts the eager forward's host
-    launches, its shape (rows x lengths) rarely repeats, and a capture costs 0.07-0.2 s on an 8B
-    model (docs/benchmarks.md). In-block steps have few shapes (rows x block width) and are
+    launches, its shape (rows x lengths) rarely repeats, and a capture costs far more than an
+    eager forward (docs/benchmarks.md). In-block steps have few shapes (rows x block width) and are
     launch-bound: always graphed."""
     return not (whole_sequences and max_tokens and packed_tokens > max_tokens)
 
@@ -59,7 +59,7 @@ class GraphCache:
         self.max_graphs = max_graphs
         # eager runs before a capture, on a side stream: the first run of a new shape may
         # compile or autotune the compiled pieces, which must not happen under capture; a
-        # second run found nothing more to do and cost ~40 ms (benchmarks/capture_cost.py)
+        # second run finds nothing more to do and only costs time (benchmarks/capture_cost.py)
         self.warmups = warmups
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self.captures = 0
@@ -71,7 +71,7 @@ class GraphCache:
     def clear(self) -> None:
         """Drop every graph (their inputs moved, e.g. a new KV pool). Their shared memory pool
         goes with them: the next capture opens a new one (PyTorch asserts when a capture uses
-        a pool whose graphs were all released, as the H100 showed)."""
+        a pool whose graphs were all released)."""
         self.graphs.clear()
         self.mempool = None
 

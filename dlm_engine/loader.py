@@ -68,11 +68,11 @@ class ShardReader(Protocol):
     ) -> dict[str, torch.Tensor]: ...
 
 
-# Measured on a 2-core AVX512-BF16 machine (tiny-dlm, 32-token canvas, per denoising step):
-# bfloat16 14.1 ms vs float32 10.5 ms on one thread, 11.6 vs 9.2 ms on two; on an AVX2-only
-# machine bf16 is emulated (80 vs 17 ms). bf16 on CPU also grows the process with every new
-# tensor shape (oneDNN caches kernels per shape: 478 -> 821 MB over 400 mixed requests, float32
-# flat at 437 MB). So `auto` on CPU is float32 whatever the checkpoint stores.
+# On CPU a denoising step runs slower in bfloat16 than in float32, even with native
+# AVX512-BF16, and much slower where bf16 is emulated (AVX2 only); bf16 on CPU also grows the
+# process with every new tensor shape (oneDNN caches kernels per shape), while float32 stays
+# flat (figures in docs/benchmarks.md). So `auto` on CPU is float32 whatever the checkpoint
+# stores.
 CPU_AUTO_REASON = (
     "auto on CPU: float32 (measured faster than bf16 even with native AVX512-BF16, and bf16 "
     "kernels are cached per shape, so memory grows)"

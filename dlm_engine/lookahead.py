@@ -1,8 +1,8 @@
 """The next step's forward, queued before the host reads this step's results.
 
-Between two in-block steps the device used to idle while the host waited for the step's
-committed windows, advanced each row and replayed the next graph: ~0.7-0.9 ms of an 8B model's
-batch-1 step of ~7.8 ms on an H100. A step's commits are written on the device
+Between two in-block steps the device would idle while the host waits for the step's
+committed windows, advances each row and replays the next graph: a noticeable share of a
+batch-1 step of a large model (docs/benchmarks.md). A step's commits are written on the device
 (`Sequence.tokens`), and the next forward of a row that stays in its block reads the same
 positions with only those tokens changed. So when every row of a step will stay in its block,
 the runner queues the next step's forward right behind this step's commit, before it waits for

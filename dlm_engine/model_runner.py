@@ -83,8 +83,8 @@ class ModelRunner:
         self.graphs = GraphCache(device, max_cuda_graphs) if use_graphs else None
         self.graph_max_tokens = cuda_graph_max_tokens  # larger steps run eagerly (0: none do)
         # the last step's plan and what it was made for: an in-block step whose rows did not
-        # move reuses its index tensors (ragged.plan_key; 1.2 ms of host time at batch 1 on
-        # the H100), and the graph's static inputs then need only the new tokens
+        # move reuses its index tensors (ragged.plan_key; building them is host time a batch-1
+        # step notices), and the graph's static inputs then need only the new tokens
         self._last_plan: tuple[tuple, PackedPlan] | None = None
         self.plan_reuses = 0
         # the next step's forward, queued before this step's copy (dlm_engine/lookahead.py);

@@ -98,7 +98,7 @@ class GroupLayout(NamedTuple):
     keys: int = 0  # the block group's key span
     # the span group's rows are laid out at their own pool slots (slot s: row s; empty slots
     # are padding rows): their keys are read as a view of the pool's first `rows` slots, not
-    # gathered (0.43 ms of an 8B model's 8.8 ms in-block step at batch 1)
+    # gathered (a gather is a measurable share of a batch-1 in-block step)
     slots_in_place: bool = False
 
 
@@ -189,8 +189,8 @@ class PackedAttention:
         k = pages.k[layer][table].view(rows, span, kv, dim)[:, :keys].transpose(1, 2)
         v = pages.v[layer][table].view(rows, span, kv, dim)[:, :keys].transpose(1, 2)
         # GQA folded into the query axis: the heads sharing a KV head become more queries of
-        # one attention over that KV head (SDPA's enable_gqa with a mask fell back to the
-        # math kernel: 5.8 ms a layer at 128 rows on an H100)
+        # one attention over that KV head (SDPA's enable_gqa with a mask falls back to the
+        # slow math kernel)
         heads = qp.shape[2]
         rep = heads // kv
         q = qp.view(rows, tq, kv, rep, dim).permute(0, 2, 3, 1, 4).reshape(rows, kv, rep * tq, dim)
@@ -320,7 +320,7 @@ def plan_packed(
             # index_copy_ a layer (an index_put over two index tensors cost twice as much)
             write = placed(write, pool.trash_pos)
             inputs[f"{g}_write_flat"] = inputs[f"{g}_slots"][:, None] * (pool.length + 1) + write
-    # numpy's repeat: torch's repeat_interleave and searchsorted took 4 ms on CPU for 320 tokens
+    # numpy's repeat: torch's repeat_interleave and searchsorted cost far more on CPU
     row_of = torch.from_numpy(np.repeat(np.arange(n_rows), qlens.numpy()))
     j_of = torch.arange(n_real) - offsets[row_of]
     zeros = torch.zeros(tail, dtype=torch.long)
@@ -401,7 +401,7 @@ def _plan_block(
     if bucket:
         keys = -(-round_up(keys, 64) // pt) * pt
     n_pages = -(-keys // pt)
-    # numpy, vectorised over rows: a Python loop of small torch ops cost ~30 us a row
+    # numpy, vectorised over rows: a Python loop of small torch ops pays their dispatch per row
     table = np.full((rows, n_pages), pages.trash, dtype=np.int64)
     for r, i in enumerate(members):  # host lists into one array (no per-layer work)
         row_pages = queries[i].pages[:n_pages]

@@ -1,10 +1,9 @@
 """Torch CPU threads for an engine that steps on its own thread (EngineLoop).
 
-Measured on a 2-core AVX512 machine (benchmarks/readme_chat.py, docs/benchmarks.md): once the
-process's *main* thread has run a parallel torch op with two threads (loading the model, a
-warm-up), every other thread's parallel ops run about 1.5x slower (tiny-dlm step 13-16 ms on
-the engine thread against 8 ms on the main thread; a 105x256 by 256x1024 matmul 265-305 us
-against 195 us). If the main thread stays single-threaded, a worker thread that sets its own
+Once the process's *main* thread has run a parallel torch op with two threads (loading the
+model, a warm-up), every other thread's parallel ops run markedly slower (a tiny-dlm step on
+the engine thread, a single matmul alike; benchmarks/readme_chat.py, docs/benchmarks.md).
+If the main thread stays single-threaded, a worker thread that sets its own
 count runs at full speed. So the caller (the Triton model's `initialize`) keeps the main thread
 at one thread before loading, and the engine thread takes the threads back when it starts.
 """

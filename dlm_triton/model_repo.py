@@ -107,8 +107,8 @@ def render_config(spec: ModelSpec, kind: str) -> str:
         # as many requests per execute() as the engine takes rows, so a burst joins one step
         f"max_batch_size: {int(spec.extra.get('max_rows', spec.max_rows))}",
         "model_transaction_policy { decoupled: true }",
-        # no batching wait: a lone request waited the whole delay (1 ms measured by Triton's
-        # queue-time metric); requests already queued still share an execute(), and the
+        # no batching wait: a lone request would wait the whole delay (Triton's queue-time
+        # metric shows it); requests already queued still share an execute(), and the
         # engine gathers a burst itself (EngineConfig.admission_window_ms)
         "dynamic_batching { max_queue_delay_microseconds: 0 }",
         "",

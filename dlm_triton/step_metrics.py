@@ -1,9 +1,8 @@
 """Per-step figures and the two gauges, recorded by the sender thread off every response's path.
 
-Each ``pb_utils`` metric update is a synchronous round trip to tritonserver (0.03-0.25 ms on a
-2-core CPU). Recorded as the steps ran, two a step (rows, wall time) woke the sender thread
-between every two steps and took the engine thread's CPU and GIL while a lone request was
-stepping. Here the engine thread only appends a step's figures to a queue nobody waits on; the
+Each ``pb_utils`` metric update is a synchronous round trip to tritonserver. Recorded as the
+steps run, two a step (rows, wall time) would wake the sender thread between every two steps
+and take the engine thread's CPU and GIL while a lone request is stepping. Here the engine thread only appends a step's figures to a queue nobody waits on; the
 sender records them all once the engine has no request left (right after the last final
 response went out) and, under load, a few at a time between responses once they are
 ``every_s`` old, then sets the gauges (last, so a reader that sees ``dlm_requests_in_flight``
@@ -19,8 +18,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 STEP_METRICS_EVERY_S = 1.0  # under load, buffered step figures wait at most about this long
-# under load, steps recorded between two responses (two round trips each): a second of an H100's
-# small steps is ~100, which in one go would hold a streamed chunk back ~10-20 ms
+# under load, steps recorded between two responses (two round trips each): a second of a GPU's
+# small steps is a hundred or so, whose round trips in one go would hold a streamed chunk back
 STEPS_PER_RECORD = 8
 CATCH_UP_S = 0.005  # while catching up, the sender records again after this without a response
 

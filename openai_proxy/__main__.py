@@ -62,9 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     # The app and its imports live as long as the process: frozen, they are out of the cyclic
-    # collector's sight. Unfrozen, a full collection walked them for 66-89 ms on the 2-core
-    # CPU with the event loop stopped, and a burst of 32 streams reached Triton in two parts
-    # (53-79 ms gaps on the H100 host), splitting a cached batch (docs/benchmarks.md).
+    # collector's sight. Unfrozen, a full collection walks them with the event loop stopped
+    # for tens of ms, so a burst of streams can reach Triton in two parts, splitting a cached
+    # batch (figures in docs/benchmarks.md).
     gc.freeze()
     server.run(sockets=sockets)
     return 0

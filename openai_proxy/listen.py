@@ -5,7 +5,7 @@ uvicorn's ``Config.bind_socket()`` creates them with ``proto=0``, so every accep
 kept Nagle on. uvicorn writes a response's headers and body in two sends: the body then waited
 for the client's delayed ACK of the headers, 40 ms on Linux, whenever a client sent its next
 request on the same connection right away (each back-to-back non-streamed call through the
-proxy took ~40 ms longer than the same call through Triton). Linux copies TCP_NODELAY from a
+proxy paid that delay over the same call through Triton). Linux copies TCP_NODELAY from a
 listening socket to the connections it accepts, so it is set once here.
 """
 
