@@ -159,3 +159,17 @@ def test_early_stop_alone(engines) -> None:
     )
     off = engines["llada"].resolve_params(dict(max_tokens=32, early_stop=False))
     assert (off.accel.multi_block, off.accel.early_stop) == (False, False)
+
+
+def test_stale_positions_land_in_the_window() -> None:
+    """The fill's positions become candidates at their window offsets; other rows get none."""
+    from types import SimpleNamespace as NS
+
+    from dlm_engine.model_runner import _early_stop_stale
+
+    filled = NS(multi=NS(stale=(5, 7, 9)), window_start=12, prompt_len=10, window_width=6)
+    plain = NS(multi=None, window_start=3, prompt_len=3, window_width=4)
+    quiet = NS(multi=NS(stale=()), window_start=3, prompt_len=3, window_width=4)
+    assert _early_stop_stale([plain, quiet], 8) is None
+    rows = _early_stop_stale([filled, plain], 8)  # window [2, 8) of the canvas
+    assert rows == [[False, False, False, True, False, True, False, False], [False] * 8]
