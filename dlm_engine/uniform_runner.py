@@ -4,7 +4,9 @@ over `decoding/uniform_diffusion.py`'s per-row state.
 Each step every running row takes one denoising step (a row whose canvas starts first
 encodes its prompt or its last canvas); a row's window is empty until its canvas ends, then
 it is that whole canvas, which `Sequence` takes into its host mirror. Rows keep their own
-encoder caches as plain tensors (no page pool).
+encoder caches as plain tensors (no page pool). A row with structured output or a required
+tool call gets its canvases constrained as they end (`decoding/uniform_constraints.py`); a row
+whose matcher fails ends alone with its error.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .decoding.uniform_constraints import CanvasConstraint
 from .decoding.uniform_diffusion import UniformRow, step_rows
 from .loader import LoadedModel
 from .sequence import Sequence
@@ -55,6 +58,11 @@ class UniformRunner:
         if row is None:
             settings = seq.params.uniform
             canvases = -(-seq.params.max_tokens // self.canvas_length)
+            constraint = None
+            if seq.constraint is not None:
+                constraint = CanvasConstraint(
+                    seq.constraint, self.constraint_runtime, seq.params.max_tokens
+                )
             row = self.rows[seq.request_id] = UniformRow(
                 torch.tensor(seq.prompt_ids, device=self.device),
                 replace(settings, canvases=canvases),
@@ -64,6 +72,7 @@ class UniformRunner:
                 vocab_size=self.model_vocab,
                 stop_ids=self.stops,
                 logprobs=seq.params.logprobs,
+                constraint=constraint,
             )
         return row
 
@@ -73,10 +82,13 @@ class UniformRunner:
         rows = [self._row(s) for s in seqs]
         self.forward_passes += 1
         windows = [c or [] for c in step_rows(self.model, rows)]
-        for seq, row, window in zip(seqs, rows, windows, strict=True):
+        for i, (seq, row, window) in enumerate(zip(seqs, rows, windows, strict=True)):
+            if row.failure is not None:
+                self.failed_rows[i] = row.failure
+                continue
             if window and row.logprobs is not None:  # by canvas position, as Sequence keeps
                 start = (row.canvases_done - 1) * self.canvas_length
-                for i, entry in enumerate(row.canvas_logprobs):
-                    if start + i < seq.params.max_tokens:
-                        seq.logprobs[start + i] = entry
+                for k, entry in enumerate(row.canvas_logprobs):
+                    if start + k < seq.params.max_tokens:
+                        seq.logprobs[start + k] = entry
         return windows

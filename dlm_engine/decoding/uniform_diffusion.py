@@ -15,16 +15,23 @@ order transformers' `DiffusionGemmaForBlockDiffusion.generate` makes them at bat
 after `torch.manual_seed(seed)`: per canvas one `randint` for the initial canvas, then per
 step one `multinomial` over the canvas and one `randint` for renoising (also on the step that
 ends the canvas). So a row's tokens do not depend on what else runs in its batch.
+
+A row with structured output (`uniform_constraints.py`) returns, instead of its argmax canvas,
+the grammar-constrained argmax of the same last-step logits; its draws are unchanged.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..models.diffusion_gemma import DiffusionGemmaModel, RowCache
 from .logprobs import TokenLogprob
+
+if TYPE_CHECKING:
+    from .uniform_constraints import CanvasConstraint
 
 
 @dataclass(frozen=True)
@@ -77,8 +84,11 @@ class UniformRow:
         vocab_size: int,
         stop_ids: torch.Tensor,
         logprobs: int | None = None,
+        constraint: CanvasConstraint | None = None,
     ) -> None:
         self.settings = settings
+        self.constraint = constraint  # structured output: the returned canvas is constrained
+        self.failure: str | None = None  # set when the constraint failed (the row ends)
         self.logprobs = logprobs  # alternatives per token; None: record no logprobs
         self.canvas_length = canvas_length
         self.vocab_size = vocab_size
@@ -159,6 +169,11 @@ class UniformRow:
 
     def _finish_canvas(self) -> list[int]:
         canvas = self.argmax
+        if self.constraint is not None:
+            start = self.canvases_done * self.canvas_length
+            walked = self.constraint.walk(self.last_logits[0], start)
+            canvas, self.failure = walked.tokens[None], walked.failure
+            self.done |= walked.failure is not None
         if self.logprobs is not None:
             self.canvas_logprobs = canvas_logprobs(
                 self.last_logits[0], canvas[0], self.logprobs, self.forwards

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..errors import InvalidRequestError
 from ..sampling_params import ResolvedParams, SamplingParams, _shared_fields
+from .grammar import CONSTRAINT_KEYS
 from .uniform_diffusion import UniformSettings
 
 UNIFORM_KEYS = ("t_min", "t_max", "stability_threshold", "stop_entropy")
@@ -24,6 +25,7 @@ ACCEPTED = frozenset(
     ("max_tokens", "steps", "threshold", "seed", "stop", "stream_mode", "priority", "logprobs")
     + UNIFORM_KEYS
     + ("tools", "tool_choice", "parallel_tool_calls")
+    + CONSTRAINT_KEYS  # structured output: each finished canvas constrained (uniform_constraints)
 )
 
 
@@ -79,10 +81,6 @@ def resolve_uniform(
     if t_max <= t_min:
         raise InvalidRequestError("t_max", f"must be above t_min ({t_min})")
     shared = _shared_fields(p)
-    if shared["constraint"] is not None:  # tool_choice required / a named function
-        raise InvalidRequestError(
-            "tool_choice", "DiffusionGemma takes auto or none (no constrained decoding)"
-        )
     settings = UniformSettings(
         steps=int(pick("steps")),
         t_min=t_min,
