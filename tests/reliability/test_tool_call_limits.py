@@ -1,12 +1,10 @@
 """Tool calls at the edge of `max_tokens`, and the tool rules, through the served stack with the
 official `openai` client.
 
-With `tool_choice` `required` or a named function, an answer cut by `max_tokens` once leaked
-the call's markup (`<tool_call>\\n{"name": ...`) as `content` with `finish_reason: length`
-(18 of 18 at max_tokens 4-40, 2 of 6 at 96). Now: a `max_tokens` too small for the smallest
-call of an allowed function is a 400 naming `max_tokens`; any other answer has no markup in its
-content (streamed or not), and is a whole call, or the call as it stands with
-`finish_reason: length`. Triton's own response fields hold to the same. Function names follow
+With `tool_choice` `required` or a named function, a `max_tokens` too small for the smallest
+call of an allowed function is a 400 naming `max_tokens`; any other answer has no markup
+(`<tool_call>`, `{"name": ...`) in its content, streamed or not, and is a whole call, or the
+call as it stands with `finish_reason: length`. Triton's own response fields hold to the same. Function names follow
 OpenAI's pattern, each once, and a tool result must answer a call made earlier: 400s naming
 the field. The stack's model is a tiny random LLaDA with a character tokenizer (one token a
 character), so the smallest call of `f` takes 55 tokens.
