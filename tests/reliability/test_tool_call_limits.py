@@ -4,9 +4,9 @@ official `openai` client.
 With `tool_choice` `required` or a named function, a `max_tokens` too small for the smallest
 call of an allowed function is a 400 naming `max_tokens`; any other answer has no markup
 (`<tool_call>`, `{"name": ...`) in its content, streamed or not, and is a whole call, or the
-call as it stands with `finish_reason: length`. Triton's own response fields hold to the same. Function names follow
-OpenAI's pattern, each once, and a tool result must answer a call made earlier: 400s naming
-the field. The stack's model is a tiny random LLaDA with a character tokenizer (one token a
+call as it stands with `finish_reason: length`. Triton's own response fields hold to the
+same. Function names follow OpenAI's pattern, each once, and a tool result must answer a call
+made earlier: 400s naming the field. The stack's model is a tiny random LLaDA with a character tokenizer (one token a
 character), so the smallest call of `f` takes 55 tokens.
 """
 
