@@ -396,12 +396,6 @@ class ModelRunner:
         With `look_ahead` (the engine's say: no request waits to join) and rows that all stay
         in their block, the next step's forward is queued before the copy."""
         dev = self.device
-        # grammar rows: their first masks start on the mask thread, beside the forward
-        constrained = (
-            ConstrainedStep(self.constraint_runtime, seqs) if self.constraint_runtime else None
-        )
-        if constrained:
-            constrained.prepare()
         # the forward first: everything below only reads its logits, and every small tensor
         # it builds is staged through pinned memory (no host wait), so the host prepares the
         # commit while the device runs the forward instead of the device waiting for the host
@@ -422,6 +416,9 @@ class ModelRunner:
         index = RowIndex.build(rows, dev)
         plan = CommitPlan([row_rule(s, self.family) for s in seqs], dev)
         k = plan.k
+        constrained = (
+            ConstrainedStep(self.constraint_runtime, seqs) if self.constraint_runtime else None
+        )
         guard = RowGuard(len(seqs), dev)
         from .decoding.logprobs import LogprobStep
 
@@ -431,7 +428,8 @@ class ModelRunner:
         bias = LogitBiasStep.build(seqs, dev)  # OpenAI's logit_bias: only rows that carry one
         if bias:  # before grammar masks, the commit rule's scores and the proposals read them
             bias.apply(logits)
-        if constrained:  # grammar rows: tokens in order; a failed matcher fails its row alone
+        if constrained:  # grammar rows: masks on the CPU while the forward runs, then in order
+            constrained.prepare()  # a failed matcher fails its row alone
             forced = constrained.commit(logits, current)
             guard.errors.update(constrained.failed)
         valid = torch.arange(logits.shape[1], device=dev)[None, :] < widths[:, None]

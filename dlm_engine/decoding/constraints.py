@@ -9,9 +9,11 @@ after the tokens before it. The committed canvas is therefore always a prefix th
 accepted; once the structure is complete only end-of-text is allowed, which ends the row.
 
 Work split: the first position's allowed-token bitmask depends only on the prefix committed
-before the step, so it is filled on a mask thread (`guarded.py`; llguidance releases the GIL)
-started before the forward and collected after it; later positions need the token just chosen
-(one small device-to-host copy per position). Rows without a constraint are never touched here.
+before the step, so it is filled on the CPU while the GPU runs the forward; later positions
+need the token just chosen (one small device-to-host copy per position). The masks of all rows
+of a position are filled by one call into llguidance's executor (its own threads, the GIL
+released once: a release per row could wait a GIL switch interval each on a busy server).
+Rows without a constraint are never touched here.
 
 A matcher that fails mid-generation (one of llguidance's per-step limits, `constraint_limits.py`)
 fails its own row only, with a message naming the field and no parser internals; the other rows
@@ -20,7 +22,7 @@ commit as usual.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +32,6 @@ import numpy as np
 import torch
 
 from ..reference import top_k_logits, top_p_logits
-from . import guarded
 from .constraint_limits import first_line
 
 if TYPE_CHECKING:
@@ -38,6 +39,17 @@ if TYPE_CHECKING:
 
 # Tokens whose text only closes a structure; preferred in the last part of the canvas.
 _CLOSING_CHARS = frozenset('"}])')
+_executor: llguidance.LLExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def mask_executor() -> llguidance.LLExecutor:
+    """llguidance's mask threads (made on first use; 80% of the CPUs, at most 32)."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        return _executor
 
 
 class RowConstraint:
@@ -127,22 +139,24 @@ class ConstrainedStep:
         self.bitmask = llnp.allocate_token_bitmask(max(1, len(self.rows)), runtime.mask_vocab)
         self.failed: dict[int, str] = {}  # batch row -> error: rows whose matcher failed
         self._slot: dict[int, int] = {}  # batch row -> its mask's row in `bitmask`
-        self._first: Future[None] | None = None
+        self._filled = False
 
     def __bool__(self) -> bool:
         return bool(self.rows)
 
     def prepare(self) -> None:
-        """Start filling the first position's masks on the mask thread; call before the
-        forward (the masks need only the prefix committed before this step)."""
-        self._first = guarded.submit_mask(self._fill, [r for r in self.rows if r.budget > 0])
+        """Fill the first position's masks (CPU); call right after the forward is queued."""
+        self._fill([r for r in self.rows if r.budget > 0])
+        self._filled = True
 
     def _fill(self, rows: list[_Row]) -> None:
         self._slot = {r.index: slot for slot, r in enumerate(rows)}
+        if not rows:
+            return
+        pairs = [(r.seq.constraint.matcher, slot) for slot, r in enumerate(rows)]
+        llnp.fill_next_token_bitmask_par(mask_executor(), pairs, self.bitmask)
         for slot, r in enumerate(rows):
-            matcher = r.seq.constraint.matcher
-            llnp.fill_next_token_bitmask(matcher, self.bitmask, slot)
-            if matcher.is_error():
+            if r.seq.constraint.matcher.is_error():
                 self._fail(r)
             self._allow_all_stops(slot)
 
@@ -166,9 +180,7 @@ class ConstrainedStep:
         j = 0
         while True:
             active = [r for r in self.rows if not r.done and j < r.budget]
-            if j == 0 and self._first is not None:
-                self._first.result()  # the masks started before the forward
-            elif active:
+            if (j > 0 or not self._filled) and active:
                 self._fill(active)
             active = [r for r in active if not r.done]  # a row whose matcher failed is out
             if not active:

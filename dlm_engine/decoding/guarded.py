@@ -1,4 +1,4 @@
-"""A worker thread with a large native stack, for llguidance's compiler and the token masks.
+"""Worker threads with a large native stack, for llguidance's compiler.
 
 llguidance compiles grammars recursively in native code: a deep enough grammar overflows the
 calling thread's stack, a segfault that takes the whole model process down (Python's recursion
@@ -7,15 +7,15 @@ limit does not see native frames). Its work runs here instead, on threads whose 
 size cap let through, with a wide margin. The stack is virtual memory: only the pages touched
 are ever resident.
 
-The mask pool (`masks()`) is separate from the compile pool, so a long compile never delays a
-step's masks.
+Token masks of accepted grammars need no such stack (the shape limits keep grammars shallow):
+they run in llguidance's own executor (`constraints.py`).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -49,8 +49,3 @@ def _pool(name: str, workers: int) -> ThreadPoolExecutor:
 def run(fn: Callable[..., T], *args: object) -> T:
     """`fn(*args)` on a compile thread (large stack); its exception is raised here."""
     return _pool("dlm-grammar", 2).submit(fn, *args).result()
-
-
-def submit_mask(fn: Callable[..., T], *args: object) -> Future[T]:
-    """`fn(*args)` on the mask thread (large stack), started now, collected later."""
-    return _pool("dlm-masks", 1).submit(fn, *args)

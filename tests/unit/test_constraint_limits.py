@@ -134,7 +134,9 @@ def test_large_but_reasonable_constraints_are_accepted(engine: Engine, name: str
     assert engine.resolve_params(GOOD[name]).constraint is not None
 
 
-def test_deep_grammar_compiles_on_the_guarded_thread_and_crashes_a_plain_one() -> None:
+def test_deep_grammar_compiles_on_the_guarded_thread_and_crashes_a_plain_one(
+    engine: Engine,
+) -> None:
     """The grammar that overflowed the model process's stack compiles on the guarded thread;
     the same compile on an ordinary 8 MB thread is a segfault (so the guard is what saves it)."""
     code = textwrap.dedent(
@@ -143,7 +145,7 @@ def test_deep_grammar_compiles_on_the_guarded_thread_and_crashes_a_plain_one() -
         from transformers import AutoTokenizer
         from dlm_engine.decoding import guarded
         from dlm_engine.decoding.grammar import ll_tokenizer
-        hf = AutoTokenizer.from_pretrained("dlm_engine/assets/tiny-dlm")
+        hf = AutoTokenizer.from_pretrained(sys.argv[2])
         tok = ll_tokenizer(hf, len(hf), hf.eos_token_id or 0)
         g = llguidance.LLMatcher.grammar_from_lark({lark_chain(3500)!r})
         compile = lambda: llguidance.LLMatcher(tok, g, log_level=0).is_error()
@@ -160,7 +162,7 @@ def test_deep_grammar_compiles_on_the_guarded_thread_and_crashes_a_plain_one() -
 
     def child(mode: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-c", code, mode],
+            [sys.executable, "-c", code, mode, engine.config.model],
             cwd=root,
             capture_output=True,
             text=True,
@@ -169,7 +171,7 @@ def test_deep_grammar_compiles_on_the_guarded_thread_and_crashes_a_plain_one() -
 
     guarded_run = child("guarded")
     assert guarded_run.returncode == 0, guarded_run.stderr[-2000:]
-    assert guarded_run.stdout.strip() == "compiled"
+    assert guarded_run.stdout.split()[-1] == "compiled", guarded_run.stdout
     plain = child("plain")
     assert plain.returncode < 0, plain.stdout  # killed by a signal: the crash the guard avoids
 
