@@ -15,7 +15,7 @@ import time
 import torch
 
 from dlm_engine import Engine, EngineConfig
-from dlm_engine.testing import SAMPLE_PROMPTS, make_tiny_checkpoint
+from dlm_lab.testing import SAMPLE_PROMPTS, make_tiny_checkpoint
 
 
 def run(engine: Engine, prompts: list[list[int]], params: dict, concurrent: bool) -> dict:

@@ -24,7 +24,8 @@ import torch
 
 from dlm_engine import Engine, EngineConfig
 from dlm_engine.loader import random_checkpoint
-from dlm_engine.reference import dream_generate, full_logits, llada_generate
+from dlm_engine.models.common import full_logits
+from dlm_lab.reference import dream_generate, llada_generate
 
 PROMPT, CANVAS, BLOCK = 64, 256, 32
 

@@ -30,7 +30,7 @@ import torch
 
 from dlm_engine import Engine, EngineConfig
 from dlm_engine.loader import random_checkpoint
-from dlm_engine.reference_block import llada2_generate, sdar_generate
+from dlm_lab.reference_block import llada2_generate, sdar_generate
 
 
 def sync() -> None:

@@ -24,10 +24,10 @@ import torch
 
 from dlm_engine import Engine, EngineConfig
 from dlm_engine.models import build_model, detect_family
+from dlm_engine.models.common import full_logits
 from dlm_engine.presets import PRESETS
-from dlm_engine.reference import full_logits
-from dlm_engine.testing import write_checkpoint
 from dlm_engine.tokenizer_build import build_char_tokenizer
+from dlm_lab.testing import write_checkpoint
 
 PROMPT, CANVAS, BLOCK, STEPS = 64, 256, 32, 64
 

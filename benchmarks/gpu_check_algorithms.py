@@ -19,8 +19,10 @@ from pathlib import Path
 
 import torch
 
-from dlm_engine import Engine, EngineConfig, reference
-from dlm_engine.testing import SAMPLE_PROMPTS, chat_prompt, make_tiny_checkpoint, until_stop
+from dlm_engine import Engine, EngineConfig
+from dlm_engine.models.common import full_logits
+from dlm_lab import reference
+from dlm_lab.testing import SAMPLE_PROMPTS, chat_prompt, make_tiny_checkpoint, until_stop
 
 MB = dict(block_add_threshold=0.1, decoded_token_threshold=0.95)
 
@@ -99,7 +101,7 @@ def cases(family: str) -> list[tuple[str, dict, object, dict]]:
 def expected(engine: Engine, fn, prompt: list[int], kw: dict) -> list[int]:
     lm = engine.loaded
     cached = fn is reference.d3llm_multi_block_cached_generate
-    model = lm.model if cached else reference.full_logits(lm.model)  # it runs its own KV cache
+    model = lm.model if cached else full_logits(lm.model)  # it runs its own KV cache
     x = fn(model, torch.tensor([prompt], device=lm.device), mask_id=lm.mask_id, **kw)
     return until_stop(engine, x[0, len(prompt) :].tolist())
 

@@ -17,8 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dlm_engine import Engine, EngineConfig, testing
-from dlm_engine.training import tasks
+from dlm_engine import Engine, EngineConfig
+from dlm_lab import testing
+from dlm_lab.training import tasks
 
 ROOT = Path(__file__).resolve().parent.parent
 SDAR_RULES = [

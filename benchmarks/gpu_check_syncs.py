@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from dlm_engine import Engine, EngineConfig
-from dlm_engine.testing import SAMPLE_PROMPTS, make_tiny_checkpoint
+from dlm_lab.testing import SAMPLE_PROMPTS, make_tiny_checkpoint
 
 LLADA_CASES = {
     "low_confidence": dict(steps=16),

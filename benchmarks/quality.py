@@ -1,6 +1,6 @@
 """Quality of the embedded tiny-dlm through the engine: exact match vs. decoding speed.
 
-Asks held-out questions (never seen in training, see `dlm_engine/training/tasks.py`) at
+Asks held-out questions (never seen in training, see `dlm_lab/training/tasks.py`) at
 temperature 0 through `dlm_engine.Engine`, at 1, 2 and 4 tokens per step (steps =
 max_tokens / k, LLaDA low-confidence remasking) and with confidence thresholds 0.9 / 0.7 /
 0.5, and reports exact-match accuracy against forwards per request (NFE) and tokens per
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from dlm_engine import Engine, EngineConfig, SamplingParams
-from dlm_engine.training import tasks
+from dlm_lab.training import tasks
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = ROOT / "dlm_engine" / "assets" / "tiny-dlm"

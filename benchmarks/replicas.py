@@ -4,7 +4,7 @@ Starts N tritonservers for one model (the launcher, as `dlm-triton serve --no-pr
 OpenAI proxy over all of them, sends the same fixed number of requests at a fixed concurrency,
 and prints one JSON line per replica count: requests/s, completion tokens/s, latency
 percentiles, and how the proxy spread the requests (its per-replica counters). The requests
-are tiny-dlm's held-out chat tasks (dlm_engine/training/tasks.py)::
+are tiny-dlm's held-out chat tasks (dlm_lab/training/tasks.py)::
 
     python benchmarks/replicas.py --replicas 1,2,3 --requests 48 --concurrency 6
 
@@ -31,7 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dlm_engine.training import tasks  # noqa: E402
+from dlm_lab.training import tasks  # noqa: E402
 from dlm_triton.launcher import Ports, TritonServerProcess, free_port  # noqa: E402
 from dlm_triton.procs import http_ok, spawn, terminate  # noqa: E402
 

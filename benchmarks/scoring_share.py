@@ -2,7 +2,7 @@
 
     python benchmarks/scoring_share.py [--tokens 1000] [--samples 1024] [--runs 7]
 
-Loads a tiny random LLaDA (dlm_engine.testing) twice: with scoring's share of the steps
+Loads a tiny random LLaDA (dlm_lab.testing) twice: with scoring's share of the steps
 (dlm_engine/scoring.py) and with the rule it replaced, emulated (a whole batch of 8 samples in
 every step, generation or not). For each: the median latency of a 32-step chat request alone,
 then beside a scoring request of `--tokens` tokens with `--samples` samples. Latency is counted
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from dlm_engine import Engine, EngineConfig
-from dlm_engine.testing import make_tiny_checkpoint
+from dlm_lab.testing import make_tiny_checkpoint
 
 GEN = {"max_tokens": 32, "steps": 32}
 

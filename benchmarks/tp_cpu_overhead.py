@@ -17,7 +17,7 @@ import time
 import torch
 
 from dlm_engine import Engine, EngineConfig
-from dlm_engine.testing import SAMPLE_PROMPTS, make_tiny_checkpoint
+from dlm_lab.testing import SAMPLE_PROMPTS, make_tiny_checkpoint
 
 
 def per_step_ms(engine: Engine, prompts: list[list[int]], tokens: int, rounds: int) -> float:

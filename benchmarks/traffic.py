@@ -336,7 +336,7 @@ def workload(args, engine, n: int, rng: random.Random):
             for _ in range(n)
         ]
         return prompts, msgs, params
-    from dlm_engine.training.tasks import heldout_examples, messages_for
+    from dlm_lab.training.tasks import heldout_examples, messages_for
 
     msgs = [messages_for(ex) for ex in heldout_examples(n, seed=rng.randrange(1 << 30))]
     prompts = [engine.encode_prompt(messages=m) for m in msgs] if engine else None

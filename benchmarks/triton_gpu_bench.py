@@ -79,7 +79,7 @@ def scrape(url: str) -> dict[str, float]:
 
 def tiny_checkpoint(root: Path) -> tuple[Path, list[int]]:
     """A tiny random LLaDA checkpoint and the ids of its plain single-character tokens."""
-    from dlm_engine.testing import make_tiny_checkpoint
+    from dlm_lab.testing import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(root / "tiny-llada", "llada")
     vocab = json.loads((ckpt / "tokenizer.json").read_text())["model"]["vocab"]

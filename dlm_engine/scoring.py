@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .reference import full_logits
+from .models.common import full_logits
 
 DEFAULT_MC_SAMPLES = 32
 # logits of a batch held at once, in elements: rows per batch are cut to stay under it

@@ -31,8 +31,8 @@ import llguidance.numpy as llnp  # not llguidance.torch: it runs torch.compile o
 import numpy as np
 import torch
 
-from ..reference import top_k_logits, top_p_logits
 from .constraint_limits import first_line
+from .filters import top_k_logits, top_p_logits
 
 if TYPE_CHECKING:
     from ..sequence import Sequence

@@ -2,7 +2,7 @@
 
 Host-side bookkeeping of one request, restated from SJTU-DENG-Lab/Diffulex (`DllmReq.step` /
 `postprocess`, `DllmBlock`, `DllmBlockBuffer`; the plain loop and what was read is
-`reference_block.multi_bd_generate`). A row's step query is its running set: up to
+`dlm_lab.reference_block.multi_bd_generate`). A row's step query is its running set: up to
 `buffer_size` consecutive blocks, refined in one forward with block-causal visibility (a
 later block sees the earlier running blocks' current tokens, masks included), in the same
 ragged block group as single-block rows (dlm_engine/ragged.py: each query's key limit is its

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..reference import top_k_logits, top_p_logits
 from ..row_guard import RowGuard
 from ..staging import to_device
+from .filters import top_k_logits, top_p_logits
 
 
 @dataclass

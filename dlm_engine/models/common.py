@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -206,6 +207,20 @@ class ForwardBatch:
         if self.kv is None:
             return attention(q, k, v, self.key_mask)
         return self.kv.attend(layer, q, k, v, self.key_mask)
+
+
+Logits = Callable[[torch.Tensor], torch.Tensor]
+
+
+def full_logits(model: nn.Module) -> Logits:
+    """Adapt one of our models to the published `model(x).logits` call (no mask, all
+    positions): what scoring runs, and what the reference loops call."""
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1], device=x.device).expand_as(x)
+        return model(ForwardBatch(x, pos, None, None))
+
+    return call
 
 
 def gather_positions(hidden: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:

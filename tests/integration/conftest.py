@@ -29,7 +29,7 @@ requires_triton = pytest.mark.skipif(not triton_available(), reason="no tritonse
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    testing = pytest.importorskip("dlm_engine.testing")
+    testing = pytest.importorskip("dlm_lab.testing")
     return testing.make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llada", "llada")
 
 

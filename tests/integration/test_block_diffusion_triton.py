@@ -12,9 +12,9 @@ import pytest
 from dlm_client import DLMClient, DLMError
 from triton_metrics import read_metric, settled_metric
 
-from dlm_engine import testing
 from dlm_engine.config import EngineConfig
 from dlm_engine.engine import Engine
+from dlm_lab import testing
 from dlm_triton.procs import http_text
 from dlm_triton.runtime_info import model_info
 

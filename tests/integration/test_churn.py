@@ -23,7 +23,7 @@ from proxy_fixtures import ProxyProcess
 from triton_metrics import read_metric
 
 from dlm_engine import Engine, EngineConfig
-from dlm_engine.training.tasks import heldout_examples, messages_for
+from dlm_lab.training.tasks import heldout_examples, messages_for
 from dlm_triton.settings import ASSETS_DIR
 
 pytestmark = pytest.mark.integration

@@ -611,7 +611,7 @@ def test_compose_command_serves_and_stops_like_docker(
     }[model]
     image_env = {}  # what the Dockerfile's ENV gives the container
     if model == "hub-id-offline":
-        from dlm_engine.testing import seed_hub_cache
+        from dlm_lab.testing import seed_hub_cache
 
         image_env["HF_HOME"] = str(tmp_path / "hf-home")
         seed_hub_cache(tiny_checkpoint, tmp_path / "hf-home" / "hub", HUB_ID)

@@ -13,7 +13,7 @@ from proxy_fixtures import ProxyProcess
 
 from dlm_engine.config import EngineConfig
 from dlm_engine.engine import Engine
-from dlm_engine.testing_diffusion_gemma import make_tiny_diffusion_gemma
+from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
 
 MESSAGES = [{"role": "user", "content": "Sort 4 2 9."}]
 

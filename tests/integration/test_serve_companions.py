@@ -24,7 +24,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from dlm_client import DLMClient, DLMError
 
-from dlm_engine.training import tasks
+from dlm_lab.training import tasks
 from dlm_triton.launcher import DEFAULT_MODEL, Ports, TritonServerProcess
 from dlm_triton.procs import http_text
 from dlm_triton.runtime_info import model_info

@@ -12,9 +12,9 @@ import pytest
 import torch
 from dlm_client import DLMClient
 
-from dlm_engine import testing
 from dlm_engine.config import EngineConfig
 from dlm_engine.engine import Engine
+from dlm_lab import testing
 
 WORKER = b"dlm_engine.parallel.worker_main"
 

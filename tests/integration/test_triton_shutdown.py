@@ -57,7 +57,7 @@ def _gone(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def dream_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    testing = pytest.importorskip("dlm_engine.testing")
+    testing = pytest.importorskip("dlm_lab.testing")
     return testing.make_tiny_checkpoint(tmp_path_factory.mktemp("dream") / "tiny-dream", "dream")
 
 

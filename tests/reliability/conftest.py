@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from reliability_stack import require_triton, start_stack
 
-from dlm_engine.testing import make_tiny_checkpoint
+from dlm_lab.testing import make_tiny_checkpoint
 from dlm_triton.launcher import TritonServerProcess
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from reliability_stack import MODEL, require_triton
 
-from dlm_engine.testing import make_tiny_checkpoint
+from dlm_lab.testing import make_tiny_checkpoint
 from dlm_triton.launcher import Ports, TritonServerProcess
 from dlm_triton.procs import alive
 

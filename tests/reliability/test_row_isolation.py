@@ -14,7 +14,7 @@ import pytest
 
 from dlm_engine import Engine, EngineConfig, RequestOutput
 from dlm_engine.decoding import proposals
-from dlm_engine.testing import SAMPLE_PROMPTS, make_tiny_checkpoint
+from dlm_lab.testing import SAMPLE_PROMPTS, make_tiny_checkpoint
 from dlm_protocol.params import ACCELERATION_PARAMS, FLOAT, INT, Param
 
 MAX_CANVAS = 32

@@ -15,7 +15,7 @@ import pytest
 from reliability_stack import MODEL, chat_body, metric_value, require_triton, start_stack
 
 from dlm_engine import Engine, EngineConfig, EngineLoop
-from dlm_engine.testing import make_tiny_checkpoint
+from dlm_lab.testing import make_tiny_checkpoint
 from dlm_protocol.tensors import PROMPT_INPUT_NAMES, STREAM
 from dlm_triton.launcher import SHM_DIR, Ports, TritonServerProcess
 from dlm_triton.request_parse import RequestError, parse_request

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from reliability_stack import MODEL, ExtraProxy, metric_value, require_triton, start_stack
 
-from dlm_engine.testing import make_tiny_checkpoint
+from dlm_lab.testing import make_tiny_checkpoint
 from dlm_triton.launcher import TritonServerProcess
 
 pytestmark = pytest.mark.integration

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dlm_engine import Engine, EngineConfig
-from dlm_engine.testing import make_tiny_checkpoint
+from dlm_lab.testing import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """LocalLeap, d3LLM entropy threshold and multi-block, Fast-dLLM factor.
 
-At temperature 0 each equals its plainly restated upstream loop (`dlm_engine.reference`)
+At temperature 0 each equals its plainly restated upstream loop (`dlm_lab.reference`)
 token for token at batch 1; batched with unlike rows (other algorithms, multi-block beside
 single-block and cached rows) every row equals its run alone.
 """
@@ -14,15 +14,15 @@ import torch
 
 from dlm_engine import Engine, EngineConfig, InvalidRequestError, RequestOutput
 from dlm_engine.decoding.checkpoint_defaults import write_d3llm_card
-from dlm_engine.reference import (
+from dlm_engine.models.common import full_logits
+from dlm_lab.reference import (
     d3llm_entropy_generate,
     d3llm_multi_block_generate,
     fast_dllm_factor_generate,
-    full_logits,
     local_leap_generate,
 )
-from dlm_engine.testing import SAMPLE_PROMPTS as PROMPTS
-from dlm_engine.testing import chat_prompt, make_tiny_checkpoint, until_stop
+from dlm_lab.testing import SAMPLE_PROMPTS as PROMPTS
+from dlm_lab.testing import chat_prompt, make_tiny_checkpoint, until_stop
 
 
 def _ref(engine: Engine, fn, prompt: list[int], **kw) -> list[int]:

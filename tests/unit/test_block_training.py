@@ -1,6 +1,6 @@
 """The block-diffusion training objective sees what the engine's decoding sees.
 
-`dlm_engine/training/block_objective.py` trains the noisy and the clean sequence in one
+`dlm_lab/training/block_objective.py` trains the noisy and the clean sequence in one
 forward; these tests prove that its attention mask gives each noisy block exactly the logits
 an inference forward over (clean earlier blocks, that noisy block) gives, and that the
 watch-the-training decoder equals SDAR's published loop restated in reference_block.py.
@@ -15,10 +15,10 @@ import torch
 
 from dlm_engine.models import SDAR, build_model
 from dlm_engine.models.common import ForwardBatch
-from dlm_engine.reference_block import block_causal_mask, sdar_generate
-from dlm_engine.testing import sdar_config
 from dlm_engine.tokenizer_build import build_char_tokenizer, vocab_size_for
-from dlm_engine.training.block_objective import (
+from dlm_lab.reference_block import block_causal_mask, sdar_generate
+from dlm_lab.testing import sdar_config
+from dlm_lab.training.block_objective import (
     block_diffusion_loss,
     block_greedy_decode,
     training_mask,

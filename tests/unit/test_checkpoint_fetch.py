@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dlm_engine.hub import CheckpointNotFoundError
-from dlm_engine.testing import seed_hub_cache
+from dlm_lab.testing import seed_hub_cache
 from dlm_triton.checkpoint_fetch import fetch_checkpoint, served_checkpoint
 from dlm_triton.model_repo import COMMITTED_REPOSITORY, MODELS
 

@@ -18,7 +18,7 @@ import pytest
 from dlm_engine import Engine, EngineConfig, InvalidRequestError
 from dlm_engine.decoding import constraint_limits, grammar
 from dlm_engine.decoding.grammar import GrammarCompiler, parse_constraint
-from dlm_engine.testing import make_tiny_checkpoint
+from dlm_lab.testing import make_tiny_checkpoint
 from dlm_protocol.structure_shapes import MAX_NESTING, nesting_exceeds
 from dlm_protocol.structure_shapes import response_format as response_format_shape
 

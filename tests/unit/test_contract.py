@@ -206,7 +206,7 @@ def test_every_package_is_in_the_wheel() -> None:
         tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     )
     dirs = {"dlm_client": root / "client"}
-    for top in ("dlm_protocol", "dlm_engine", "dlm_triton", "openai_proxy"):
+    for top in ("dlm_protocol", "dlm_engine", "dlm_lab", "dlm_triton", "openai_proxy"):
         dirs[top] = root / top
     found = set()
     for name, folder in dirs.items():

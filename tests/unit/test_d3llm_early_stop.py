@@ -18,10 +18,11 @@ import torch
 from dlm_engine import Engine, EngineConfig, InvalidRequestError
 from dlm_engine.decoding.checkpoint_defaults import write_d3llm_card
 from dlm_engine.decoding.multi_block import MultiBlockState
-from dlm_engine.reference import d3llm_multi_block_generate, full_logits
+from dlm_engine.models.common import full_logits
 from dlm_engine.sampling_params import Acceleration
-from dlm_engine.testing import SAMPLE_PROMPTS as PROMPTS
-from dlm_engine.testing import chat_prompt, make_tiny_checkpoint, until_stop
+from dlm_lab.reference import d3llm_multi_block_generate
+from dlm_lab.testing import SAMPLE_PROMPTS as PROMPTS
+from dlm_lab.testing import chat_prompt, make_tiny_checkpoint, until_stop
 
 SHORT = dict(max_tokens=64, block_length=8, threshold=0.5)
 PARALLEL = dict(max_tokens=48, block_length=8, threshold=3.0, block_add_threshold=0.0,

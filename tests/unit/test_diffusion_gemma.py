@@ -1,7 +1,7 @@
 """DiffusionGemma: our loader, model and sampler against transformers' own implementation.
 
 The oracle is `DiffusionGemmaForBlockDiffusion.generate` on a tiny random checkpoint written
-by transformers itself (dlm_engine/testing_diffusion_gemma.py), batch 1, CPU float32, after
+by transformers itself (dlm_lab/testing_diffusion_gemma.py), batch 1, CPU float32, after
 `torch.manual_seed(seed)`. Its output pads everything after the first end-of-text id; ours
 stops there, so tokens are compared up to and including that id.
 """
@@ -23,7 +23,7 @@ from dlm_engine.decoding.uniform_diffusion import (
 )
 from dlm_engine.loader import load_checkpoint
 from dlm_engine.models.diffusion_gemma import DiffusionGemmaModel
-from dlm_engine.testing_diffusion_gemma import make_tiny_diffusion_gemma
+from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
 
 transformers = pytest.importorskip("transformers")
 

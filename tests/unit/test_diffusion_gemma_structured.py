@@ -16,7 +16,7 @@ import pytest
 from structured_cases import CHOICES, GBNF, GBNF_CHECK, LARK, LARK_CHECK, REGEXES, SCHEMAS
 
 from dlm_engine.decoding.uniform_diffusion import UniformSettings, generate
-from dlm_engine.testing_diffusion_gemma import make_tiny_diffusion_gemma
+from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
 
 pytest.importorskip("transformers")
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dlm_engine import Engine, RequestOutput
-from dlm_engine.testing import SAMPLE_PROMPTS as PROMPTS
-from dlm_engine.testing import EagerGraphs
+from dlm_lab.testing import SAMPLE_PROMPTS as PROMPTS
+from dlm_lab.testing import EagerGraphs
 
 MIXED_LLADA = [
     dict(max_tokens=32, steps=32, block_length=8),

@@ -1,5 +1,5 @@
 """The engine's block-diffusion path equals the plain no-cache restatements of the
-published loops (dlm_engine/reference_block.py) token for token at temperature 0: each
+published loops (dlm_lab/reference_block.py) token for token at temperature 0: each
 request alone, and all of them in one batch with unlike prompts, blocks, steps and rules.
 
 The engine decodes over an exact KV cache of finished blocks and feeds each step only the
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from block_checks import assert_pages_back, check_alone_and_batched
 
-from dlm_engine import testing
 from dlm_engine.config import EngineConfig
 from dlm_engine.engine import Engine
 from dlm_engine.errors import InvalidRequestError
+from dlm_lab import testing
 
 PROMPTS = ["Hello there", "abc", "What is 2+2? Tell me more.", "x"]
 SDAR_CASES = [

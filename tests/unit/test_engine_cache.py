@@ -7,7 +7,7 @@ import torch
 
 from dlm_engine import Engine
 from dlm_engine.sequence import Sequence
-from dlm_engine.testing import SAMPLE_PROMPTS
+from dlm_lab.testing import SAMPLE_PROMPTS
 
 
 def _prompt(eng: Engine, i: int = 0) -> list[int]:

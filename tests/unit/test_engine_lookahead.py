@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from dlm_engine import Engine
-from dlm_engine.testing import SAMPLE_PROMPTS
+from dlm_lab.testing import SAMPLE_PROMPTS
 
 CASES = {
     "llada": [

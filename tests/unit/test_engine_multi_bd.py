@@ -17,14 +17,15 @@ import pytest
 import torch
 from block_checks import assert_pages_back, check_alone_and_batched
 
-from dlm_engine import SamplingParams, testing
+from dlm_engine import SamplingParams
 from dlm_engine.config import EngineConfig
 from dlm_engine.engine import Engine
 from dlm_engine.errors import InvalidRequestError
-from dlm_engine.reference_block import (
+from dlm_lab import testing
+from dlm_lab.reference_block import (
     block_logits,
 )
-from dlm_engine.training import tasks
+from dlm_lab.training import tasks
 
 PROMPTS = ["Hello there", "abc", "What is 2+2? Tell me more.", "x"]
 MBD = {"algorithm": "multi_bd"}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dlm_engine import Engine, EngineConfig
-from dlm_engine.testing import SAMPLE_PROMPTS
+from dlm_lab.testing import SAMPLE_PROMPTS
 
 PARAMS = dict(max_tokens=32, steps=16, block_length=8, cache="dual", suppress_eos=True)
 

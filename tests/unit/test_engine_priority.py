@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from dlm_engine import Engine, EngineConfig, InvalidRequestError
-from dlm_engine.testing import SAMPLE_PROMPTS
+from dlm_lab.testing import SAMPLE_PROMPTS
 
 
 def _prompt(engine: Engine, i: int) -> list[int]:

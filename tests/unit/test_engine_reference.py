@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from dlm_engine import Engine
-from dlm_engine.reference import dream_generate, full_logits, llada_generate
-from dlm_engine.testing import SAMPLE_PROMPTS as PROMPTS
+from dlm_engine.models.common import full_logits
+from dlm_lab.reference import dream_generate, llada_generate
+from dlm_lab.testing import SAMPLE_PROMPTS as PROMPTS
 
 
 def _chat(engine: Engine, text: str) -> list[int]:

@@ -17,7 +17,7 @@ from dlm_engine import Engine, EngineConfig
 from dlm_engine.fp8 import E4M3, Fp8Experts, Fp8Linear, quantize_rows
 from dlm_engine.loader import load_checkpoint
 from dlm_engine.models.common import ForwardBatch
-from dlm_engine.testing import make_tiny_checkpoint, write_checkpoint
+from dlm_lab.testing import make_tiny_checkpoint, write_checkpoint
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """Hub ids: a pre-seeded Hugging Face cache loads offline by id; what is missing or damaged is
 one clear error before any tensor is read. No network: the cache is written in
-huggingface_hub's layout (``dlm_engine.testing.seed_hub_cache``) and read by its own code."""
+huggingface_hub's layout (``dlm_lab.testing.seed_hub_cache``) and read by its own code."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dlm_engine.hub import (
     resolve_checkpoint,
 )
 from dlm_engine.loader import load_checkpoint
-from dlm_engine.testing import seed_hub_cache
+from dlm_lab.testing import seed_hub_cache
 
 REPO = "test-org/Tiny-LLaDA"
 COMMIT_A = "a" * 40

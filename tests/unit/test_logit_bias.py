@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dlm_engine import Engine, EngineConfig, InvalidRequestError
-from dlm_engine.testing import make_tiny_checkpoint
+from dlm_lab.testing import make_tiny_checkpoint
 from dlm_protocol import BY_NAME
 
 

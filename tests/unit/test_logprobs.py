@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dlm_engine import Engine, InvalidRequestError, RequestOutput
-from dlm_engine.reference import full_logits
+from dlm_engine.models.common import full_logits
 
 MSG = [{"role": "user", "content": "Sort: 5 3 9 1"}]
 

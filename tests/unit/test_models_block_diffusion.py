@@ -22,8 +22,8 @@ from dlm_engine.models import moe as moe_mod
 from dlm_engine.models.common import ForwardBatch
 from dlm_engine.models.llada2 import LLaDA2Arch, LLaDA2SparseMoe
 from dlm_engine.presets import PRESETS
-from dlm_engine.testing import llada2_config, make_tiny_checkpoint, write_checkpoint
 from dlm_engine.tokenizer_build import build_char_tokenizer, vocab_size_for
+from dlm_lab.testing import llada2_config, make_tiny_checkpoint, write_checkpoint
 
 
 def block_causal(t: int, block: int, rows: int = 1) -> torch.Tensor:

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from dlm_engine import Engine, InvalidRequestError, RequestOutput
-from dlm_engine.reference import cached_forward, d3llm_multi_block_cached_generate, full_logits
+from dlm_engine.models.common import full_logits
 from dlm_engine.sequence import Sequence
-from dlm_engine.testing import SAMPLE_PROMPTS as PROMPTS
-from dlm_engine.testing import chat_prompt, until_stop
+from dlm_lab.reference import cached_forward, d3llm_multi_block_cached_generate
+from dlm_lab.testing import SAMPLE_PROMPTS as PROMPTS
+from dlm_lab.testing import chat_prompt, until_stop
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])

@@ -13,7 +13,7 @@ import torch
 
 from dlm_engine.loader import load_checkpoint
 from dlm_engine.models.common import ForwardBatch
-from dlm_engine.reference_block import (
+from dlm_lab.reference_block import (
     SDAR_STRATEGIES,
     block_logits,
     joint_threshold_generate,
@@ -22,7 +22,7 @@ from dlm_engine.reference_block import (
     sdar_generate,
     transfer_schedule,
 )
-from dlm_engine.testing import make_tiny_checkpoint
+from dlm_lab.testing import make_tiny_checkpoint
 
 BL = 8  # block length used throughout
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dlm_engine.testing import AUTO_MAPS, make_tiny_checkpoint
+from dlm_lab.testing import AUTO_MAPS, make_tiny_checkpoint
 
 ASSETS = Path(__file__).resolve().parents[2] / "dlm_engine" / "assets"
 PROMPT = "custom code"

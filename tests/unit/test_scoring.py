@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dlm_engine import Engine, InvalidRequestError, RequestOutput
-from dlm_engine.reference import full_logits
+from dlm_engine.models.common import full_logits
 
 
 def _score(eng: Engine, ids: list[int], **params) -> RequestOutput:

@@ -16,7 +16,7 @@ import pytest
 from structured_cases import CHOICES, GBNF, GBNF_CHECK, LARK, LARK_CHECK, REGEXES, SCHEMAS
 
 from dlm_engine import Engine, EngineConfig, InvalidRequestError
-from dlm_engine.training import tasks
+from dlm_lab.training import tasks
 
 ASSET = Path(__file__).resolve().parents[2] / "dlm_engine" / "assets" / "tiny-dlm"
 

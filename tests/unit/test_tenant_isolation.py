@@ -12,11 +12,11 @@ import pytest
 from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
-from dlm_engine import testing
 from dlm_engine.config import EngineConfig
 from dlm_engine.engine import Engine
 from dlm_engine.errors import InvalidRequestError
 from dlm_engine.prefix_cache import page_hashes
+from dlm_lab import testing
 from dlm_triton.procs import free_port
 from openai_proxy import security, tenancy
 from openai_proxy.app import create_app

@@ -21,11 +21,10 @@ import torch
 import torch.distributed as dist
 
 from dlm_engine import Engine, EngineConfig, EngineLoop
-from dlm_engine.models.common import ForwardBatch
+from dlm_engine.models.common import ForwardBatch, full_logits
 from dlm_engine.parallel import ParallelLM, TensorParallelError
-from dlm_engine.reference import full_logits
-from dlm_engine.testing import make_tiny_checkpoint
-from dlm_engine.testing_diffusion_gemma import make_tiny_diffusion_gemma
+from dlm_lab.testing import make_tiny_checkpoint
+from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
 
 
 @pytest.fixture(scope="module", autouse=True)

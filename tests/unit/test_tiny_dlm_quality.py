@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dlm_engine import Engine, EngineConfig, SamplingParams
-from dlm_engine.training import tasks
+from dlm_lab.training import tasks
 
 ASSET = Path(__file__).resolve().parents[2] / "dlm_engine" / "assets" / "tiny-dlm"
 N_QUESTIONS = 60  # ten per task, held out from training by the hash split

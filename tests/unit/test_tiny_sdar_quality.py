@@ -2,7 +2,7 @@
 
 `make serve` serves `dlm_engine/assets/tiny-sdar` beside tiny-dlm: an SDAR-layout model
 (blocks of 4, exact KV cache of finished blocks) trained by
-`python -m dlm_engine.training.train --family sdar`. This guards that the shipped checkpoint,
+`python -m dlm_lab.training.train --family sdar`. This guards that the shipped checkpoint,
 its tokenizer and chat template, and the engine's block-diffusion path still agree. T=0 is
 deterministic, so the floor is not a statistical bet; it sits well below the measured 99%
 (600 questions, docs/benchmarks.md) so that a CPU's float rounding flipping a borderline
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from dlm_engine import Engine, EngineConfig, SamplingParams
-from dlm_engine.training import tasks
+from dlm_lab.training import tasks
 
 ASSET = Path(__file__).resolve().parents[2] / "dlm_engine" / "assets" / "tiny-sdar"
 N_QUESTIONS = 60  # ten per task, held out from training by the hash split

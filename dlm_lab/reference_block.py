@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .models.common import ForwardBatch
+from dlm_engine.models.common import ForwardBatch
 
 SDAR_STRATEGIES = (
     "sequential",

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .models import DREAM, LLADA, LLADA2, SDAR, Family, build_model
-from .tokenizer_build import build_char_tokenizer, vocab_size_for
+from dlm_engine.models import DREAM, LLADA, LLADA2, SDAR, Family, build_model
+from dlm_engine.tokenizer_build import build_char_tokenizer, vocab_size_for
 
 # max_tokens of tiny checkpoints' requests that name none (their generation_config.json)
 TINY_GENERATION_LENGTH = 64
@@ -275,7 +275,7 @@ def _point_row_at_masks(
     at some canvas positions (how many grows with `scale`)."""
     ids = torch.full((1, 48), mask_id)
     ids[0, :16] = torch.arange(16)
-    from .models.common import ForwardBatch
+    from dlm_engine.models.common import ForwardBatch
 
     h = model.hidden_states(ForwardBatch(ids, torch.arange(48)[None], None, None))
     norm = model.model.transformer.ln_f if hasattr(model.model, "transformer") else model.model.norm
@@ -390,7 +390,7 @@ def seed_hub_cache(
 
 
 def block_reference_run(engine: Any, prompt: list[int], params: dict[str, Any]) -> Any:
-    """The plain no-cache loop (dlm_engine/reference_block.py) of a block-diffusion request
+    """The plain no-cache loop (dlm_lab/reference_block.py) of a block-diffusion request
     as `engine` resolves it, on the engine's own model: Diffulex's multi_bd, LLaDA2.1's
     token editing, LLaDA2's threshold loop or SDAR's four rules. Returns its `BlockRun`."""
     from . import reference_block as ref

@@ -9,24 +9,11 @@ sequence every step, exactly as published: slow on purpose.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
-from .models.common import ForwardBatch, attention
-
-Logits = Callable[[torch.Tensor], torch.Tensor]
-
-
-def full_logits(model: torch.nn.Module) -> Logits:
-    """Adapt one of our models to the published `model(x).logits` call (no mask, all positions)."""
-
-    def call(x: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(x.shape[1], device=x.device).expand_as(x)
-        return model(ForwardBatch(x, pos, None, None))
-
-    return call
+from dlm_engine.decoding.filters import top_k_logits, top_p_logits
+from dlm_engine.models.common import ForwardBatch, Logits, attention
 
 
 def add_gumbel_noise(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -109,24 +96,6 @@ def llada_generate(
                 transfer[j, idx] = True
             x[transfer] = x0[transfer]
     return x
-
-
-def top_p_logits(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of tokens whose probability reaches `top_p` (Dream's filter)."""
-    sorted_logits, sorted_idx = torch.sort(logits, descending=True)
-    cum = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
-    remove = cum > top_p
-    remove[..., 1:] = remove[..., :-1].clone()
-    remove[..., 0] = False
-    mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, sorted_idx, remove)
-    return logits.masked_fill(mask, torch.finfo(logits.dtype).min)
-
-
-def top_k_logits(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Keep the `top_k` largest logits (Dream's filter)."""
-    top_k = min(top_k, logits.size(-1))
-    kth = torch.topk(logits, top_k)[0][..., -1, None]
-    return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
 
 
 def dream_sample_tokens(

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.common import ForwardBatch
+from dlm_engine.models.common import ForwardBatch
+
 from ..reference_block import block_causal_mask
 
 MASK_EPS = 1e-3  # lowest masking ratio

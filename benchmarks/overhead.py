@@ -1,6 +1,6 @@
 """Per-request overhead of serving through Triton vs calling the engine in-process.
 
-``python -m dlm_triton.overhead --model CKPT_DIR`` runs the same sequential requests both ways
+``python benchmarks/overhead.py --model CKPT_DIR`` runs the same sequential requests both ways
 on this machine and prints median latencies; the difference is what Triton, gRPC, the Python
 backend's shared memory and our sender thread add per request.
 """

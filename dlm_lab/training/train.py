@@ -8,8 +8,8 @@ bidirectional, and cross-entropy is taken on masked positions only, weighted by 
 divided by the response length. `--family sdar` (`dlm_engine/assets/tiny-sdar`) trains the
 same tasks block-causally with per-block noise (`block_objective.py`).
 
-    python -m dlm_engine.training.train --out DIR --device cuda --minutes 9
-    python -m dlm_engine.training.train --family sdar --out DIR --device cuda --minutes 9
+    python -m dlm_lab.training.train --out DIR --device cuda --minutes 9
+    python -m dlm_lab.training.train --family sdar --out DIR --device cuda --minutes 9
 
 Without `--steps` the cosine schedule runs on elapsed time, so the run fills `--minutes`
 whatever the device's speed. Data are generated on the fly by
@@ -37,10 +37,11 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from ..models import LLADA, SDAR, build_model
-from ..models.common import ForwardBatch
+from dlm_engine.models import LLADA, SDAR, build_model
+from dlm_engine.models.common import ForwardBatch
+from dlm_engine.tokenizer_build import build_char_tokenizer, vocab_size_for
+
 from ..testing import llada_config, sdar_config, write_checkpoint
-from ..tokenizer_build import build_char_tokenizer, vocab_size_for
 from . import tasks
 from .block_objective import block_diffusion_loss, block_greedy_decode
 
