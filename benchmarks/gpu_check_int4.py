@@ -12,32 +12,10 @@ time of each product captured in a CUDA graph.
 
 from __future__ import annotations
 
-import time
-
 import torch
+from gpu_check_fp8 import timed  # a product captured in a CUDA graph, microseconds a replay
 
 GROUP = 128
-
-
-def timed(fn, iters: int = 100) -> float:
-    """Microseconds per replay of `fn` captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / iters * 1e6
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
