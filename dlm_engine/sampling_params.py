@@ -110,11 +110,11 @@ class ResolvedParams:
     cache: str
     max_nfe: int | None = None
     accel: Acceleration = field(default_factory=lambda: Acceleration())
-    constraint: Constraint | None = None  # issue 17: structure constraint (decoding/grammar.py)
-    logprobs: int | None = None  # issue 17: record committed tokens' logprobs, with N alternatives
-    tools: ToolSpec | None = None  # issue 17: tool calling (tools.py); None also for `none`
-    score: int | None = None  # issue 17: score the prompt with this many MC samples (scoring.py)
-    priority: int = 0  # issue 14: admission order, lower first (scheduler.py)
+    constraint: Constraint | None = None  # structure constraint (decoding/grammar.py)
+    logprobs: int | None = None  # record committed tokens' logprobs, with N alternatives
+    tools: ToolSpec | None = None  # tool calling (tools.py); None also for `none`
+    score: int | None = None  # score the prompt with this many MC samples (scoring.py)
+    priority: int = 0  # admission order, lower first (scheduler.py)
     uniform: Any = None  # DiffusionGemma's UniformSettings (decoding/uniform_diffusion.py)
     # mixed into the first prompt page's hash: only requests with the same salt share
     # cached prompt pages (prefix_cache.py); None = the unsalted chain
@@ -122,12 +122,12 @@ class ResolvedParams:
     # OpenAI's logit_bias: (token id, bias) pairs added to the window logits each step
     # (decoding/logit_bias.py); None = no bias
     logit_bias: tuple[tuple[int, float], ...] | None = None
-    # issue 16: a block-diffusion model's request: blocks aligned to absolute positions,
+    # a block-diffusion model's request: blocks aligned to absolute positions,
     # `steps` counted per block (block_diffusion.py)
     block_diffusion: bool = False
-    edit_threshold: float = 0.0  # issue 16: LLaDA2.1 token editing (joint_threshold)
+    edit_threshold: float = 0.0  # LLaDA2.1 token editing (joint_threshold)
     max_post_edit_steps: int = 16
-    # issue 16: Diffulex multi-block diffusion (multi_bd): the running set's size and rules
+    # Diffulex multi-block diffusion (multi_bd): the running set's size and rules
     buffer_size: int = DEFAULT_BUFFER_SIZE
     add_block_threshold: float = DEFAULT_ADD_BLOCK_THRESHOLD
     semi_complete_threshold: float = DEFAULT_SEMI_COMPLETE_THRESHOLD
@@ -299,7 +299,7 @@ def _score(p: SamplingParams, constraint: Constraint | None) -> int | None:
 
 def _constraint(p: SamplingParams, tools: ToolSpec | None) -> Constraint | None:
     """The request's structure constraint, or the tool-call grammar of `tool_choice`
-    `required` / a named function (issue 17); not both."""
+    `required` / a named function; not both."""
     constraint = parse_constraint({k: coerce_constraint(k, getattr(p, k)) for k in CONSTRAINT_KEYS})
     if tools is None or not tools.constrained:
         return constraint
@@ -310,7 +310,7 @@ def _constraint(p: SamplingParams, tools: ToolSpec | None) -> Constraint | None:
     return tool_constraint(tools)
 
 
-# ==== issue 15: accelerated decoding — LocalLeap (dlmserve 0.1.1, arXiv 2510.07081), d3LLM
+# ==== accelerated decoding — LocalLeap (dlmserve 0.1.1, arXiv 2510.07081), d3LLM
 # multi-block decoding and entropy threshold (hao-ai-lab/d3LLM, SGLang PR #20615), Fast-dLLM's
 # factor rule (NVlabs/Fast-dLLM llada/generate.py). Published defaults below. ====
 
@@ -511,7 +511,7 @@ def resolve_acceleration(
     )
 
 
-# ==== issue 16: block-diffusion models (SDAR generate.py `block_diffusion_generate`, LLaDA2
+# ==== block-diffusion models (SDAR generate.py `block_diffusion_generate`, LLaDA2
 # `generate`). Published defaults: SDAR confidence_threshold 0.85 and eb_threshold 0.35,
 # LLaDA2 threshold 0.95. ====
 

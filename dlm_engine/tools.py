@@ -1,4 +1,4 @@
-"""Tool calls (issue 17): OpenAI's `tools` / `tool_choice` / `parallel_tool_calls` for a
+"""Tool calls: OpenAI's `tools` / `tool_choice` / `parallel_tool_calls` for a
 diffusion model.
 
 * The tool list reaches the model through the checkpoint's chat template

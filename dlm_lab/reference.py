@@ -179,7 +179,7 @@ def dream_generate(
     return x
 
 
-# ---- issue 15: the accelerated loops, restated plainly (T = 0, batch 1, no cache) ----------
+# ---- the accelerated loops, restated plainly (T = 0, batch 1, no cache) ----------
 
 
 def _entropy(logits: torch.Tensor, dtype: torch.dtype | None, eps: float) -> torch.Tensor:

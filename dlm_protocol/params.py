@@ -23,7 +23,7 @@ from typing import Any
 from . import logit_bias, structure_shapes
 from .errors import InvalidRequestError
 
-# issue 16: the commit rules of block-diffusion models (SDAR `remasking_strategy`)
+# the commit rules of block-diffusion models (SDAR `remasking_strategy`)
 BLOCK_ALGORITHMS = (
     "low_confidence_dynamic",
     "low_confidence_static",
@@ -32,7 +32,7 @@ BLOCK_ALGORITHMS = (
     "joint_threshold",  # LLaDA2.1 token editing (SGLang JointThreshold)
     "multi_bd",  # Diffulex Multi-Block Diffusion: several blocks in one forward
 )
-# issue 16: keys that only block-diffusion models take, by the algorithm that reads them
+# keys that only block-diffusion models take, by the algorithm that reads them
 # (LLaDA2.1 token editing, Diffulex's multi_bd); other models refuse them by name
 BLOCK_ALGORITHM_KEYS = {
     "joint_threshold": ("edit_threshold", "max_post_edit_steps"),
@@ -52,11 +52,11 @@ ALGORITHMS = (
     "topk_margin",
     "entropy",
     "threshold",
-    # issue 15: accelerated commit rules (dlm_engine/decoding/commit_rules.py)
+    # accelerated commit rules (dlm_engine/decoding/commit_rules.py)
     "factor",
     "local_leap",
     "entropy_threshold",
-    # issue 16: block-diffusion families (SDAR's remasking strategies; LLaDA2's threshold rule
+    # block-diffusion families (SDAR's remasking strategies; LLaDA2's threshold rule
     # is low_confidence_dynamic)
     *BLOCK_ALGORITHMS,
 )
@@ -88,7 +88,7 @@ MAX_STOP_STRINGS = 16
 SEED_MAX = 2**63 - 1
 # Default threshold when `algorithm: threshold` is asked for without a value (Fast-dLLM's 0.9).
 DEFAULT_THRESHOLD = 0.9
-# issue 15: d3LLM's entropy threshold is in nats; ln(vocab) of any real tokenizer is below this
+# d3LLM's entropy threshold is in nats; ln(vocab) of any real tokenizer is below this
 MAX_ENTROPY_THRESHOLD = 20.0
 # Numeric safety: every accepted value keeps a step finite for every row of the batch. A positive
 # temperature or alg_temp below MIN_POSITIVE_TEMPERATURE runs as that floor (dividing logits by
@@ -98,13 +98,13 @@ MAX_ENTROPY_THRESHOLD = 20.0
 MIN_POSITIVE_TEMPERATURE = 1e-4
 MAX_ALG_TEMP = 100.0
 MAX_CFG_SCALE = 100.0
-# issue 14: request priority, lower = admitted first (vLLM's convention); the range is wide
+# request priority, lower = admitted first (vLLM's convention); the range is wide
 # enough for any tiering and small enough to stay an ordinary integer everywhere
 MAX_PRIORITY = 100
 
 # Value kinds. "stop" is OpenAI's `stop`: a string or a list of strings (normalised to a list).
 INT, FLOAT, BOOL, STR, STOP = "int", "float", "bool", "str", "stop"
-# issue 17: a JSON value checked by the engine (structure constraints)
+# a JSON value checked by the engine (structure constraints)
 JSON = "json"
 
 
@@ -232,7 +232,7 @@ class Param:
                 ]
             }
             return {"anyOf": [*value["anyOf"], {"type": "null"}]}
-        if self.kind == JSON:  # issue 17: any JSON value, checked by the engine
+        if self.kind == JSON:  # any JSON value, checked by the engine
             return {}
         types = {INT: "integer", FLOAT: "number", BOOL: "boolean", STR: "string"}
         schema: dict[str, Any] = {"type": types[self.kind]}
@@ -542,7 +542,7 @@ PARAMS: tuple[Param, ...] = (
     ),
 )
 
-# ---- issue 15: accelerated decoding — Fast-dLLM's factor rule (NVlabs/Fast-dLLM
+# ---- accelerated decoding — Fast-dLLM's factor rule (NVlabs/Fast-dLLM
 # llada/generate.py), LocalLeap (dlmserve 0.1.1, arXiv 2510.07081), d3LLM multi-block decoding
 # (hao-ai-lab/d3LLM, SGLang PR #20615). Defaults are the published ones (applied by the engine,
 # dlm_engine/sampling_params.py); absent reads as None so a checkpoint's defaults can apply.
@@ -681,7 +681,7 @@ ACCELERATION_PARAMS: tuple[Param, ...] = (
         examples=(True, "yes"),
     ),
 )
-# ---- issue 17: structure constraints (dlm_engine/decoding/grammar.py checks the values) ----
+# ---- structure constraints (dlm_engine/decoding/grammar.py checks the values) ----
 STRUCTURE_PARAMS = (
     Param(
         "response_format",
@@ -714,7 +714,7 @@ STRUCTURE_PARAMS = (
         shape=structure_shapes.non_empty_string,
     ),
 )
-# ---- issue 17: log-probabilities of committed tokens (dlm_engine/decoding/logprobs.py) ----
+# ---- log-probabilities of committed tokens (dlm_engine/decoding/logprobs.py) ----
 MAX_LOGPROBS = 20
 LOGPROB_PARAMS = (
     Param(
@@ -732,7 +732,7 @@ LOGPROB_PARAMS = (
         examples=(2, 21),
     ),
 )
-# ---- issue 17: tool calls (dlm_engine/tools.py: the chat template, the constraint, parsing) ----
+# ---- tool calls (dlm_engine/tools.py: the chat template, the constraint, parsing) ----
 TOOL_PARAMS = (
     Param(
         "tools",
@@ -770,7 +770,7 @@ TOOL_PARAMS = (
         examples=(False, "yes"),
     ),
 )
-# ---- issue 17: scoring a text under the masked-diffusion objective (dlm_engine/scoring.py) ----
+# ---- scoring a text under the masked-diffusion objective (dlm_engine/scoring.py) ----
 MAX_MC_SAMPLES = 1024
 SCORING_PARAMS = (
     Param(

@@ -2,10 +2,10 @@
 
 Decoupled, in the manner of Triton's vllm_backend: ``execute()`` validates each request, hands
 it to the engine thread (``dlm_engine.EngineLoop``) and returns ``None``. Engine outputs go to a
-queue; a sender thread turns them into responses (``send()`` costs ~55 us, too much for the
-engine thread). A watcher thread turns client cancellations into ``EngineLoop.cancel``. Every
-request ends with exactly one ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``: on success, error,
-cancel and shutdown.
+queue; a sender thread turns them into responses (each ``send()`` is a round trip to
+tritonserver, too slow for the engine thread). A watcher thread turns client cancellations into
+``EngineLoop.cancel``. Every request ends with exactly one
+``TRITONSERVER_RESPONSE_COMPLETE_FINAL``: on success, error, cancel and shutdown.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ except ImportError:  # pragma: no cover - docs, linters, unit tests
     pb_utils = None
 
 INPUT_NAMES = tuple(t.name for t in tensors.INPUTS)
-# Each request's is_cancelled() is a round trip to tritonserver (0.1-0.25 ms on a busy 2-core
-# CPU, beside the steps): every 50 ms, a cancelled row leaves the batch within a few steps.
+# Each request's is_cancelled() is a round trip to tritonserver, paid beside the steps: every
+# 50 ms, a cancelled row leaves the batch within a few steps.
 WATCH_INTERVAL_S = 0.05
 DRAIN_TIMEOUT_S = float(os.environ.get("DLM_DRAIN_TIMEOUT", "5"))  # launcher: exit timeout / 2
 # Written by the launcher before it stops tritonserver: drain now (see launcher._drain).
@@ -62,7 +62,7 @@ class _Live:
     abort_sent: bool = False  # we aborted it (drain timeout)
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
-    # issue 17: a non-streamed request's logprob entries, gathered for its one response
+    # a non-streamed request's logprob entries, gathered for its one response
     logprobs: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -154,8 +154,8 @@ class TritonPythonModel:
             f"dtype={dtype} ({why}) max_rows={s.max_rows} torch_threads={self.torch_threads} (engine thread)"
         )
         # What is loaded now lives as long as the process: frozen, it is out of the cyclic
-        # collector's sight, so a full collection no longer walks the model's objects (280k
-        # for tiny-dlm: 141 ms on the 2-core CPU, holding the GIL the engine thread needs).
+        # collector's sight, so a full collection does not walk the model's objects (hundreds
+        # of thousands even for tiny-dlm, holding the GIL the engine thread needs).
         gc.freeze()
         self.metrics.gc_frozen_objects.set(gc.get_freeze_count())
 

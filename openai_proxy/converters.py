@@ -53,9 +53,9 @@ class TritonEvent:
     canvas: list[str | None] | None = None
     final: bool = False
     forwards: int = 0  # forwards (NFE) used so far; 0 = not reported
-    logprobs: list[dict[str, Any]] | None = None  # entries for the tokens of `text` (issue 17)
-    tool_calls: list[dict[str, Any]] | None = None  # on the final event, with tools (issue 17)
-    score: dict[str, Any] | None = None  # on the final event of a scoring request (issue 17)
+    logprobs: list[dict[str, Any]] | None = None  # entries for the tokens of `text`
+    tool_calls: list[dict[str, Any]] | None = None  # on the final event, with tools
+    score: dict[str, Any] | None = None  # on the final event of a scoring request
     cached_tokens: int | None = None  # prompt tokens from the prefix cache; None = not reported
 
 
@@ -120,7 +120,7 @@ def sampling_parameters(req: _RequestBase, choice: int, limits: ProxyConfig) -> 
     logprobs = req.logprobs_key()
     if logprobs is not None:
         params["logprobs"] = logprobs
-    if req.is_scoring():  # issue 17: echo + max_tokens 0 = the contract's `score`
+    if req.is_scoring():  # echo + max_tokens 0 = the contract's `score`
         params.pop("max_tokens", None)
         params["score"] = True
     for key in DIFFUSION_KEYS:
@@ -171,7 +171,7 @@ def messages_json(req: ChatCompletionRequest) -> str:
     for m in req.messages:
         role = ROLE_ALIASES.get(m.role, m.role)
         msg: dict[str, Any] = {"role": role, "content": m.text()}
-        if m.tool_calls:  # issue 17: an assistant's calls and the tool results go back
+        if m.tool_calls:  # an assistant's calls and the tool results go back
             msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
@@ -307,7 +307,7 @@ def completion_response(
     }
 
 
-# ---- issue 17: logprobs in OpenAI's shapes (entries: dlm_protocol.response.LOGPROB_FIELDS) ----
+# ---- logprobs in OpenAI's shapes (entries: dlm_protocol.response.LOGPROB_FIELDS) ----
 
 
 def _top(entry: dict[str, Any]) -> dict[str, Any]:
@@ -356,14 +356,14 @@ def completion_logprobs(
 
 def assistant_message(r: ChoiceResult) -> dict[str, Any]:
     """The answer's message; with tool calls, `tool_calls` and the text before them (null when
-    there is none), as OpenAI answers (issue 17)."""
+    there is none), as OpenAI answers."""
     if not r.tool_calls:
         return {"role": "assistant", "content": r.text}
     return {"role": "assistant", "content": r.text or None, "tool_calls": r.tool_calls}
 
 
 def score_fields(score: dict[str, Any] | None) -> dict[str, Any]:
-    """A scored prompt's totals as extra fields of its completion choice (issue 17)."""
+    """A scored prompt's totals as extra fields of its completion choice."""
     if not score:
         return {}
     return {

@@ -256,7 +256,7 @@ class _RequestBase(_ContractFields):
         return self.logprobs
 
     def is_scoring(self) -> bool:
-        """Completions `echo: true` + `max_tokens: 0`: score the prompt (issue 17)."""
+        """Completions `echo: true` + `max_tokens: 0`: score the prompt."""
         return False
 
 
@@ -333,7 +333,7 @@ class ChatMessage(BaseModel):
     )
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(
-        None, description="assistant: the tool calls it made (issue 17)."
+        None, description="assistant: the tool calls it made."
     )
     tool_call_id: str | None = Field(None, description="tool: the call this result answers.")
     # after role and tool_calls, so its check sees them
@@ -412,7 +412,7 @@ class ChatCompletionRequest(_RequestBase):
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
 
-    # issue 17: OpenAI's chat `logprobs` is a boolean (the count goes in `top_logprobs`)
+    # OpenAI's chat `logprobs` is a boolean (the count goes in `top_logprobs`)
     logprobs: Annotated[
         Any,
         BeforeValidator(_chat_logprobs),
@@ -463,7 +463,7 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 def _completion_max_tokens(value: Any) -> Any:
-    """The contract's check, plus 0 (with `echo: true`: scoring, issue 17)."""
+    """The contract's check, plus 0 (with `echo: true`: scoring)."""
     if value == 0 and isinstance(value, int) and not isinstance(value, bool):
         return 0
     return _checked_as("max_tokens")(value)
@@ -484,7 +484,7 @@ class CompletionRequest(_RequestBase):
     )
     best_of: _Unsupported = None
     suffix: _Unsupported = None
-    # issue 17: echo + max_tokens 0 scores the prompt (the contract's `score`, with `mc_samples`)
+    # echo + max_tokens 0 scores the prompt (the contract's `score`, with `mc_samples`)
     echo: bool | None = Field(
         None,
         description="With `max_tokens: 0`: generate nothing and score the prompt under the "
@@ -592,7 +592,7 @@ class TopLogprob(BaseModel):
 
 
 class TokenLogprob(TopLogprob):
-    """OpenAI's per-token object plus `step` (issue 17)."""
+    """OpenAI's per-token object plus `step`."""
 
     top_logprobs: list[TopLogprob]
     step: int = Field(..., description=LOGPROB_FIELDS["step"])
@@ -604,7 +604,7 @@ class ChatLogprobs(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """OpenAI's legacy completions shape plus `steps` (issue 17); for a scored prompt (echo +
+    """OpenAI's legacy completions shape plus `steps`; for a scored prompt (echo +
     max_tokens 0) each token's estimated share of the log-likelihood bound and `variances`."""
 
     tokens: list[str]

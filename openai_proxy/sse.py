@@ -79,7 +79,7 @@ class ChunkBuilder:
                 else completion_logprobs(event.logprobs, offset)
             )
         c["finish_reason"] = finish_reason
-        if event is not None and event.score:  # a scored prompt's totals (issue 17)
+        if event is not None and event.score:  # a scored prompt's totals
             c.update(score_fields(event.score))
         if event is not None and event.canvas is not None:
             c["canvas"] = event.canvas
@@ -129,7 +129,7 @@ async def stream_events(
                         f"generation ended by the server ({ev.finish_reason or 'no reason'})"
                     )
                 r.finish_reason = reason
-                if ev.tool_calls and builder.kind == "chat":  # issue 17: every call whole
+                if ev.tool_calls and builder.kind == "chat":  # every call whole
                     yield builder.chunk([builder.tool_calls(job.choice_index, ev.tool_calls)])
                 text = None if builder.kind == "chat" else ""
                 yield builder.chunk([builder.choice(job.choice_index, text, reason)])

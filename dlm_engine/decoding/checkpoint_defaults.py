@@ -1,4 +1,4 @@
-"""A checkpoint's own decoding defaults (issue 15): d3LLM's multi-block settings.
+"""A checkpoint's own decoding defaults: d3LLM's multi-block settings.
 
 d3LLM publishes its checkpoints (d3LLM/d3LLM_LLaDA, d3LLM/d3LLM_Dream on the Hugging Face Hub)
 in the LLaDA and Dream layouts, and their `generation_config.json` carries no decoding

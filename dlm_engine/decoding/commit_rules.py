@@ -1,4 +1,4 @@
-"""Which masked positions each row commits this step, for every rule at once (issue 15).
+"""Which masked positions each row commits this step, for every rule at once.
 
 Rules (per row, mixed freely in one step):
 - rank: the k most confident (LLaDA's and Dream's step schedules);
@@ -36,7 +36,7 @@ _CODES = {
     "factor": FACTOR,
     "entropy_threshold": ENTROPY,
     "local_leap": LEAP,
-    # issue 16: SDAR's remasking strategies (LLaDA2's threshold rule is `DYNAMIC`)
+    # SDAR's remasking strategies (LLaDA2's threshold rule is `DYNAMIC`)
     "low_confidence_static": RANK,
     "sequential": SEQUENTIAL,
     "low_confidence_dynamic": DYNAMIC,
@@ -205,7 +205,7 @@ class CommitPlan:
         selectable: torch.Tensor,
         extra: dict[str, torch.Tensor],
     ) -> torch.Tensor:
-        """SDAR's strategies (issue 16). sequential: the k masked positions nearest the
+        """SDAR's strategies. sequential: the k masked positions nearest the
         block's start; low_confidence_dynamic: every confidence > tau when at least k pass,
         else the k most confident; entropy_bounded: the lowest entropies while their running
         sum stays below the bound, at least one."""
@@ -290,7 +290,7 @@ class CommitPlan:
         need = ~(chosen[sel] & in_block).any(dim=1) & in_block.any(dim=1)
         best = score[sel].masked_fill(~in_block, -torch.inf).argmax(dim=1)
         # a comparison, not `add[rows, best] = True`: a Python scalar put by index copies
-        # the scalar to the GPU and waits for the queued forward (0.5-0.8 ms a step on H100)
+        # the scalar to the GPU and waits for the queued forward (a stall in every step)
         add = pos == best[:, None]
         chosen[sel] |= add & need[:, None]
         return chosen

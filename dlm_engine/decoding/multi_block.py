@@ -1,4 +1,4 @@
-"""d3LLM's multi-block decoding: several blocks of one canvas in flight at once (issue 15).
+"""d3LLM's multi-block decoding: several blocks of one canvas in flight at once.
 
 Host-side bookkeeping for one request, restated from hao-ai-lab/d3LLM's
 `generate_multi_block` (LLaDA) / `_sample_multi_block` (Dream) and SGLang PR #20615's

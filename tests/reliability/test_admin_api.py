@@ -1,4 +1,4 @@
-"""Triton's admin APIs are restricted (issue 13, point 5): model control, logging, trace and
+"""Triton's admin APIs are restricted: model control, logging, trace and
 shared memory need the launcher's key; inference, health and metadata stay open."""
 
 from __future__ import annotations

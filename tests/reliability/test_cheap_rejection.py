@@ -1,4 +1,4 @@
-"""Oversized inputs are rejected before expensive work (issue 13, point 3).
+"""Oversized inputs are rejected before expensive work.
 
 Structural checks: the byte cap derived from the token limit rejects before the tokenizer is
 called and never rejects a prompt that fits; large requests are accepted on a worker thread,

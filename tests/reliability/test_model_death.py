@@ -1,4 +1,4 @@
-"""A dead model is a known state (issue 13, point 2).
+"""A dead model is a known state.
 
 ``kill -9`` of the Python backend stub, then of tritonserver itself, with requests in flight
 through the proxy, gRPC and Triton HTTP: every in-flight request ends with an error within

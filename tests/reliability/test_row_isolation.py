@@ -1,4 +1,4 @@
-"""One request never harms another inside a step (issue 13, point 1).
+"""One request never harms another inside a step.
 
 Extreme accepted values of every numeric key (accelerated decoding's too; unbounded ones at
 2**62) run in the same steps as good requests; each good request's output equals the same request
@@ -36,7 +36,7 @@ EXTREME_COMMON = [
     dict(max_tokens=MAX_CANVAS, steps=1, block_length=MAX_CANVAS, seed=2**63 - 1, temperature=1),
     dict(max_tokens=4, steps=4, block_length=1, seed=0, algorithm="random"),
     dict(max_tokens=1, steps=1),
-    # accelerated decoding (issue 15): max_nfe and max_active_blocks have no upper bound
+    # accelerated decoding: max_nfe and max_active_blocks have no upper bound
     dict(max_tokens=4, steps=4, max_nfe=1),
     dict(max_tokens=4, steps=4, max_nfe=HUGE),
     dict(max_tokens=8, block_length=4, multi_block=True, block_add_threshold=0.0,

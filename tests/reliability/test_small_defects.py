@@ -1,4 +1,4 @@
-"""The smaller defects of issue 13, point 4, each with its check."""
+"""Smaller defects of the served stack, each with its check."""
 
 from __future__ import annotations
 
