@@ -1,18 +1,18 @@
 """Hostile structure constraints through the served stack (dlm_engine/decoding/constraint_limits.py).
 
-Requests that crashed the model process (a Lark grammar chaining 3,500 rules, a schema chaining
-1,000 `$ref`s; the same through GBNF and tool `parameters`) or failed late with a 500 and
-llguidance's parser dump (`(x{1000}){1000}`, a 2,000-entry `choice`, recursive `$ref`s with
+Constraints that would crash the model process (a Lark grammar chaining 3,500 rules, a schema
+chaining 1,000 `$ref`s; the same through GBNF and tool `parameters`) or fail late with a 500
+and llguidance's parser dump (`(x{1000}){1000}`, a 2,000-entry `choice`, recursive `$ref`s with
 `required`, counted repetition in a schema `pattern`, `{"$ref": "#"}`, a `response_format`
 nested hundreds of levels deep) are each a 400 naming the field, from the proxy and from
 Triton's HTTP endpoint, before any step: a neighbour stream in flight meanwhile completes with
 its own text, and the model is never restarted.
 
-The stall: the request that stalled neighbours (`a{100000}` with `n: 8`, ~85 ms of mask work a
-row a step) is now refused at once; 8 rows of a costly regex the budget admits run beside a
+The stall: a request whose mask work would stall its neighbours (`a{100000}` with `n: 8`) is
+refused at once; 8 rows of a costly regex the budget admits run beside a
 neighbour, whose latency is measured alone, beside the same 8 rows unconstrained and beside the
 constrained ones (printed; docs/reliability.md records them) and bounded against the
-unconstrained rows generously (3x + 1 s; timings on the shared 2-core machine vary 5x, and the
+unconstrained rows generously (3x + 1 s; timings on a shared 2-core machine vary widely, and the
 tiny model's forward of 9 rows takes about as long as 8 masks of this regex).
 """
 

@@ -1,10 +1,10 @@
 """A big scoring request shares the engine's steps with generation (dlm_engine/scoring.py).
 
 Scoring a 1,000-token prompt with `mc_samples` 1024 (completions `echo: true`, `max_tokens: 0`)
-used to run a forward of 8 x 1,000 tokens in every engine step, so a chat request beside it ran
-about 85x slower. Through the served stack: a neighbour's latency alone and beside such a
-request (printed; docs/reliability.md records them), bounded generously (3x + 0.5 s: the old
-behaviour was far past it, and timings on the shared 2-core machine vary). The big request is
+unshared would run a forward of 8 x 1,000 tokens in every engine step and slow a chat request
+beside it many times over. Through the served stack: a neighbour's latency alone and beside such a
+request (printed; docs/reliability.md records them), bounded generously (3x + 0.5 s: unshared
+scoring is far past it, and timings on the shared 2-core machine vary). The big request is
 then dropped by its client (its rows leave); a smaller scoring request of the same prompt run
 beside neighbours completes with the numbers Triton gives it alone. Over-cap `mc_samples` and
 prompts are 400s naming the field. The long variant lets the whole 1024-sample request finish.
