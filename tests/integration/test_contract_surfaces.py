@@ -17,7 +17,7 @@ import pytest
 from dlm_client import DLMClient, DLMError
 
 from dlm_protocol import PARAMS
-from dlm_protocol.params import BLOCK_DIFFUSION_ONLY
+from dlm_protocol.params import BLOCK_DIFFUSION_ONLY, UNIFORM_ONLY
 
 pytestmark = pytest.mark.integration
 
@@ -35,8 +35,15 @@ def _keys(name: str, value: Any) -> dict[str, Any]:
     return {**BASE, name: value}
 
 
+# chat's `logprobs` is OpenAI's boolean: the contract's valid count (the completions and
+# Triton form) is sent to chat as `true`; the invalid count stays a count (refused by name)
+LOGPROBS_VALID = next(p.examples[0] for p in PARAMS if p.name == "logprobs")
+
+
 def via_proxy(base_url: str, model: str, keys: dict[str, Any]) -> Outcome:
     body = {"model": model, "messages": MSG, **keys}
+    if body.get("logprobs") == LOGPROBS_VALID:
+        body["logprobs"] = True
     r = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=120)
     if r.status_code == 200:
         usage = r.json()["usage"]
@@ -85,8 +92,9 @@ def test_every_key_same_outcome_and_field_on_all_surfaces(proxy, client, model) 
         table.setdefault((name, kind), {})[surface] = outcome
     problems = []
     for (name, kind), by_surface in table.items():
-        # a block-diffusion key's valid value is still refused, by name, by this LLaDA model
-        ok = kind == "valid" and name not in BLOCK_DIFFUSION_ONLY
+        # a block-diffusion or DiffusionGemma key's valid value is still refused, by name, by
+        # this LLaDA model
+        ok = kind == "valid" and name not in BLOCK_DIFFUSION_ONLY + UNIFORM_ONLY
         want = ("ok", None) if ok else ("invalid", name)
         if any(outcome != want for outcome in by_surface.values()):
             problems.append(f"{name} {kind}: {by_surface}")

@@ -16,6 +16,7 @@ from dlm_triton.settings import resolve_settings
 
 EXPECTED_MODELS = {
     "tiny-dlm",
+    "diffusiongemma-26b-a4b-it",
     "tiny-sdar",
     "llada-8b-instruct",
     "llada-1.5",
