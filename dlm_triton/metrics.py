@@ -91,6 +91,12 @@ class Metrics:
             "collector's sight, so its full collections stay short",
             gauge,
         )
+        self.fused_fallbacks = self._metric(
+            "dlm_fused_kernel_fallbacks",
+            "Compiled elementwise kernels (norms, rotary, activations) that fell back to eager "
+            "for good (the compiler failed or hit its recompile limit): each makes steps slower",
+            gauge,
+        )
         self.restarts = self._metric(
             "dlm_model_restarts_total",
             "Times the launcher restarted the server because the model (stub) or server died",

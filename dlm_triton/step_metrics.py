@@ -40,9 +40,11 @@ class StepMetrics:
         queue_depth: Callable[[], int],
         every_s: float = STEP_METRICS_EVERY_S,
         steps_per_record: int = STEPS_PER_RECORD,
+        fused_fallbacks: Callable[[], int] | None = None,
     ) -> None:
         self.metrics = metrics
         self.in_flight, self.queue_depth = in_flight, queue_depth
+        self.fused_fallbacks = fused_fallbacks
         self.every_s = every_s
         self.steps_per_record = steps_per_record
         self._catching_up = False  # due, and more were buffered than one record takes
@@ -69,6 +71,8 @@ class StepMetrics:
             self._catching_up = self._record_steps(None if idle else self.steps_per_record)
         self._set_gauge("in_flight", self.in_flight())
         self._set_gauge("queue_depth", self.queue_depth())
+        if self.fused_fallbacks is not None:
+            self._set_gauge("fused_fallbacks", self.fused_fallbacks())
 
     def _record_steps(self, limit: int | None) -> bool:
         """Record up to ``limit`` buffered steps (all if None); True if some are left."""

@@ -78,6 +78,7 @@ class TritonPythonModel:
     # ------------------------------------------------------------------ lifecycle
     def initialize(self, args: dict[str, str]) -> None:
         from dlm_engine import Engine, EngineConfig, EngineLoop
+        from dlm_engine.models.common import FusedKernels
         from dlm_engine.threads import hand_threads_to_engine_thread
         from dlm_triton.procs import exit_when_orphaned
 
@@ -130,6 +131,7 @@ class TritonPythonModel:
             self.metrics,
             in_flight=lambda: len(self._live),
             queue_depth=lambda: self.loop.queue_depth,
+            fused_fallbacks=lambda: len(FusedKernels.fallbacks),
         )
         self._intake = Intake()
         self._sender = threading.Thread(target=self._send_loop, name="dlm-sender", daemon=True)

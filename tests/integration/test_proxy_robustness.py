@@ -20,7 +20,7 @@ import openai
 import proxy_fixtures
 import pytest
 from proxy_fixtures import ProxyProcess
-from triton_metrics import read_metric, settled_metric
+from triton_metrics import read_metric, scrape, settled_metric
 
 from dlm_triton.launcher import Ports, TritonServerProcess, free_port
 
@@ -180,6 +180,13 @@ def test_proxy_and_model_freeze_their_startup_objects(
     a loaded app or model is tens of thousands of objects, not a handful."""
     assert proxy_metric(proxy, "dlm_proxy_gc_frozen_objects") > 10_000
     assert metric("dlm_gc_frozen_objects") > 10_000
+
+
+def test_model_reports_its_compiled_kernel_fallbacks(triton_server: TritonServerProcess) -> None:
+    """The gauge a dashboard watches for a silent slow-down: compiled kernels that fell back
+    to eager. It is there, and on the CPU, where nothing is compiled, none fell back."""
+    samples = {name: v for (name, _labels), v in scrape(triton_server).items()}
+    assert samples["dlm_fused_kernel_fallbacks"] == 0
 
 
 # ------------------------------------------------------------------------------------------------

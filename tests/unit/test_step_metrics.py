@@ -78,3 +78,17 @@ def test_idle_records_the_rest_and_ends_catching_up() -> None:
     assert recorder.catching_up and len(metrics.rows_per_step.values) == 8
     recorder.record(idle=True)
     assert not recorder.catching_up and len(metrics.rows_per_step.values) == 20
+
+
+def test_fused_kernel_fallbacks_reach_their_gauge_when_they_change() -> None:
+    metrics = _Metrics()
+    metrics.fused_fallbacks = _Series()
+    fallbacks: list[str] = []
+    recorder = StepMetrics(
+        metrics, in_flight=lambda: 0, queue_depth=lambda: 0, fused_fallbacks=lambda: len(fallbacks)
+    )
+    recorder.record(idle=True)
+    fallbacks.append("_rms_norm")  # a compiled kernel fell back to eager
+    recorder.record(idle=True)
+    recorder.record(idle=True)
+    assert metrics.fused_fallbacks.values == [0, 1]
