@@ -70,6 +70,9 @@ class EngineConfig:
     # and runs the engine; ranks 1..N-1 are worker processes it starts and stops
     # (dlm_engine/parallel/); 1 = one device
     tensor_parallel_size: int = 1
+    # with tensor_parallel_size N, a mixture-of-experts model's routed experts are spread
+    # whole over the ranks (num_experts / N each) instead of each expert being split N ways
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in (

@@ -178,6 +178,9 @@ class LLaDA2SparseMoe(nn.Module):
             self.shared_experts = LLaDA2MLP(a.hidden_size, shared)
         self.w_gate_up: nn.Parameter | None = None  # set by fuse()
         self.w_down: nn.Parameter | None = None
+        # expert parallel: `experts` holds this rank's slice, from this model expert on
+        # (dlm_engine/parallel/sharding.py); None: every expert
+        self.first_expert: int | None = None
 
     def _stack(self) -> tuple[torch.Tensor, torch.Tensor]:
         gate_up = torch.stack(
@@ -233,7 +236,7 @@ class LLaDA2SparseMoe(nn.Module):
             gate_up, down = self.w_gate_up, self.w_down
         else:
             gate_up, down = self._stack()
-        y = run_experts(flat, chosen, weights, gate_up, down).view_as(x)
+        y = run_experts(flat, chosen, weights, gate_up, down, self.first_expert).view_as(x)
         if a.num_shared_experts > 0:
             y = y + self.shared_experts(x)
         return y

@@ -94,24 +94,41 @@ def run_experts(
     weights: torch.Tensor,
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
+    first_expert: int | None = None,
 ) -> torch.Tensor:
     """Sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)).
 
     x [N, H]; chosen/weights [N, k]; w_gate_up [E, H, 2I] (gate columns, then up);
-    w_down [E, I, H]. The weighted sum is taken in float32, as published."""
+    w_down [E, I, H]. The weighted sum is taken in float32, as published.
+
+    `first_expert` (expert parallel, dlm_engine/parallel/): the stacked weights hold only
+    experts first_expert .. first_expert + E - 1 of the model; the (token, expert) pairs of
+    other experts sort after every group, are left out of the grouped GEMMs and add nothing,
+    so the ranks' outputs sum to the whole. The shapes stay those of every pair (no host
+    sync), so the layer is still capturable in a CUDA graph."""
     n, k = chosen.shape
     if n == 0:
         return x.new_zeros(x.shape)
+    n_local = w_gate_up.shape[0]
     flat = chosen.reshape(-1)
+    mine: torch.Tensor | None = None
+    if first_expert is not None:
+        flat = flat - first_expert
+        mine = (flat >= 0) & (flat < n_local)
+        flat = torch.where(mine, flat, n_local)  # past the last group: computed by no GEMM
     order = flat.argsort(stable=True)
     expert_of_row = flat[order]
-    counts = torch.zeros(w_gate_up.shape[0], dtype=torch.int32, device=x.device)
+    counts = torch.zeros(n_local + 1, dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = counts.cumsum(0, dtype=torch.int32)
+    offs = counts[:n_local].cumsum(0, dtype=torch.int32)
+    if mine is not None:  # the fallback's per-row gather must index a held expert
+        expert_of_row = expert_of_row.clamp(max=n_local - 1)
     xs = x[order // k]
     gate, up = grouped_linear(xs, w_gate_up, offs, expert_of_row).chunk(2, dim=-1)
     ys = grouped_linear(silu_mul(gate, up), w_down, offs, expert_of_row)
     unsorted = torch.empty_like(ys)
     unsorted[order] = ys
+    if mine is not None:  # rows past the last group hold whatever the GEMM left there
+        unsorted = torch.where(mine[:, None], unsorted, 0)
     out = (unsorted.view(n, k, -1).float() * weights[..., None].float()).sum(dim=1)
     return out.to(x.dtype)

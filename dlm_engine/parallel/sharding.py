@@ -9,6 +9,12 @@ routed and shared experts together, tensor parallel inside every expert). Everyt
 (embeddings, norms, a head tied to the embedding, the MoE router) is replicated. Shards are
 cut before `fuse_projections`, so a rank's fused q/k/v (or stacked experts) is built from its
 own shards.
+
+Expert parallel (`expert_parallel`): a family's routed experts (`FamilyRules.expert_list`) are
+spread whole over the ranks instead: rank r holds experts r*E/N .. (r+1)*E/N - 1, read whole and
+renumbered from 0, and its MoE layer learns its first expert (`first_expert`, see
+`models/moe.py`'s `run_experts`); the shared expert and everything else stays as above, so the
+MoE layer still ends in the one all-reduce that sums the ranks' partial outputs.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ COLUMN, ROW, VOCAB, REPLICATED = "column", "row", "vocab", "replicated"
 PARTIAL = "partial"
 # a published fused q/k/v projection: each rank takes its heads of q, of k and of v
 QKV = "qkv"
+# one routed expert's tensor under expert parallel: whole on the rank that holds the expert
+EXPERT = "expert"
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,12 @@ class FamilyRules:
     tensors: tuple[tuple[str, str], ...]
     summed: tuple[str, ...] = ()
     qkv_rows: Callable[[dict[str, Any]], tuple[int, int]] | None = None
+    # expert parallel: the routed experts' module list (its parent gets `first_expert`), a
+    # pattern of one expert's published tensors (group 1: the expert's number) and the
+    # config key of their count; None: no routed experts to spread
+    expert_list: str | None = None
+    expert_tensor: str | None = None
+    expert_count_key: str = "num_experts"
 
 
 # LLaDA (`model.transformer.blocks.N.*`): the head `model.transformer.ff_out` is the vocab
@@ -88,6 +102,8 @@ LLADA2_RULES = FamilyRules(
     ),
     summed=(r"\.layers\.\d+\.mlp$",),
     qkv_rows=_llada2_qkv_rows,
+    expert_list=r"\.mlp\.experts$",
+    expert_tensor=r"\.mlp\.experts\.(\d+)\.",
 )
 RULES: dict[str, FamilyRules] = {
     "llada": LLADA_RULES,
@@ -107,8 +123,20 @@ def rules_for(family: str) -> FamilyRules:
     return RULES[family]
 
 
-def kind_of(name: str, rules: FamilyRules) -> str:
+def check_expert_parallel(family: str, rules: FamilyRules) -> None:
+    """A clear error naming the setting for a family without routed experts."""
+    if rules.expert_list is None or rules.expert_tensor is None:
+        with_experts = sorted(f for f, r in RULES.items() if r.expert_list is not None)
+        raise ValueError(
+            f"expert_parallel is not supported for the {family} family (supported: "
+            f"{', '.join(with_experts)}); serve it without expert_parallel"
+        )
+
+
+def kind_of(name: str, rules: FamilyRules, expert_parallel: bool = False) -> str:
     """How the published tensor `name` is split across ranks."""
+    if expert_parallel and rules.expert_tensor and re.search(rules.expert_tensor, name):
+        return EXPERT
     for pattern, kind in rules.tensors:
         if re.search(pattern, name):
             return kind
@@ -129,12 +157,37 @@ def _sum_over_ranks(group):
     return hook
 
 
-def shard_model(model: nn.Module, family: str, world: int, group=None) -> None:
+def _keep_own_experts(model: nn.Module, name: str, experts: nn.ModuleList, rank: int, world: int):
+    """Expert parallel: the list `name` keeps rank `rank`'s experts (whole), renumbered from
+    0; its parent layer learns which model expert its first one is."""
+    n = _split(len(experts), world, f"{name} (num_experts) under expert_parallel")
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    setattr(parent, attr, nn.ModuleList(list(experts)[rank * n : (rank + 1) * n]))
+    parent.first_expert = rank * n
+
+
+def shard_model(
+    model: nn.Module,
+    family: str,
+    world: int,
+    group=None,
+    rank: int = 0,
+    expert_parallel: bool = False,
+) -> None:
     """Turn a model built on the meta device into one rank's shard of it: column layers
     with 1/world of their outputs, row layers with 1/world of their inputs (all-reduced),
-    the untied head over 1/world of the vocabulary, attention over 1/world of the heads."""
+    the untied head over 1/world of the vocabulary, attention over 1/world of the heads;
+    with `expert_parallel`, 1/world of the routed experts, whole."""
     rules = rules_for(family)
+    if expert_parallel:
+        check_expert_parallel(family, rules)
     for name, module in list(model.named_modules()):
+        if expert_parallel and re.search(rules.expert_list or "$^", name):
+            _keep_own_experts(model, name, module, rank, world)
+            continue
+        if expert_parallel and re.search(rules.expert_tensor or "$^", name + "."):
+            continue  # inside a routed expert: whole, or gone with the others' experts
         if hasattr(module, "n_heads") and hasattr(module, "n_kv_heads"):
             module.n_heads = _split(module.n_heads, world, f"{name} attention heads")
             module.n_kv_heads = _split(module.n_kv_heads, world, f"{name} key/value heads")
@@ -196,15 +249,40 @@ def read_shard(
     world: int,
     device: torch.device,
     dtype: torch.dtype,
+    expert_parallel: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s slice of every published tensor, cast to `dtype` when floating."""
+    """Rank `rank`'s slice of every published tensor, cast to `dtype` when floating; under
+    `expert_parallel` only this rank's routed experts, whole and renumbered from 0 (the
+    others' bytes are never read)."""
     rules = rules_for(family)
     qkv = rules.qkv_rows(config) if rules.qkv_rows is not None else None
+    per_rank = 0
+    if expert_parallel:
+        check_expert_parallel(family, rules)
+        per_rank = _split(int(config[rules.expert_count_key]), world, "num_experts")
     state: dict[str, torch.Tensor] = {}
     for f in weight_files(path):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
-                t = _slice(sf.get_slice(name), kind_of(name, rules), rank, world, qkv)
+                kind = kind_of(name, rules, expert_parallel)
+                if kind == EXPERT:
+                    local = _own_expert(name, rules, rank, per_rank)
+                    if local is None:
+                        continue
+                    t, name = sf.get_tensor(name), local
+                else:
+                    t = _slice(sf.get_slice(name), kind, rank, world, qkv)
                 t = t.to(dtype) if t.is_floating_point() else t
                 state[name] = t.to(device)
     return state
+
+
+def _own_expert(name: str, rules: FamilyRules, rank: int, per_rank: int) -> str | None:
+    """The local name of a routed expert's tensor on rank `rank` (experts renumbered from
+    0), or None when another rank holds that expert."""
+    m = re.search(rules.expert_tensor or "$^", name)
+    assert m is not None
+    local = int(m.group(1)) - rank * per_rank
+    if not 0 <= local < per_rank:
+        return None
+    return f"{name[: m.start(1)]}{local}{name[m.end(1) :]}"

@@ -39,11 +39,14 @@ def check_supported(config: EngineConfig, raw: dict[str, Any], family: Family) -
         raise ValueError(f"FP8 checkpoints are not supported with tensor_parallel_size {world} yet")
     rules_for(family.name)  # a family without a sharding table: a clear error
     with torch.device("meta"):  # heads and widths that do not divide: refused before any start
-        shard_model(build_model(family, raw), family.name, world)
+        shard_model(
+            build_model(family, raw), family.name, world, expert_parallel=config.expert_parallel
+        )
 
 
-def shard_reader(world: int, rank: int):
-    """The loader's `weights` hook for `rank`: shard the meta model, read its slices."""
+def shard_reader(world: int, rank: int, expert_parallel: bool = False):
+    """The loader's `weights` hook for `rank`: shard the meta model, read its slices (and
+    with `expert_parallel` only its own routed experts)."""
 
     def read(
         model: nn.Module,
@@ -53,8 +56,8 @@ def shard_reader(world: int, rank: int):
         device: torch.device,
         dtype: torch.dtype,
     ) -> dict[str, torch.Tensor]:
-        shard_model(model, family.name, world)
-        return read_shard(path, family.name, config, rank, world, device, dtype)
+        shard_model(model, family.name, world, rank=rank, expert_parallel=expert_parallel)
+        return read_shard(path, family.name, config, rank, world, device, dtype, expert_parallel)
 
     return read
 
@@ -62,9 +65,8 @@ def shard_reader(world: int, rank: int):
 def load_rank(spec: dict[str, Any], rank: int, world: int) -> LoadedModel:
     """Rank `rank`'s shard of the checkpoint at `spec["path"]` (a local folder)."""
     device = rank_device(spec["device"], rank)
-    return load_checkpoint(
-        spec["path"], spec["dtype"], str(device), weights=shard_reader(world, rank)
-    )
+    reader = shard_reader(world, rank, bool(spec.get("expert_parallel")))
+    return load_checkpoint(spec["path"], spec["dtype"], str(device), weights=reader)
 
 
 def start_tensor_parallel(config: EngineConfig) -> LoadedModel:
@@ -87,6 +89,7 @@ def start_tensor_parallel(config: EngineConfig) -> LoadedModel:
         # the model runner compiles the elementwise pieces on CUDA: every rank alike, so the
         # replicated hidden states (and LLaDA2's routing of them) agree bit for bit
         "fused_kernels": bool(config.fused_kernels),
+        "expert_parallel": bool(config.expert_parallel),
     }
     workers = WorkerSet(spec, world, store)
     try:

@@ -1,0 +1,129 @@
+"""Expert parallel on CPU: 2 real ranks over a gloo process group, LLaDA2's routed experts
+spread whole over them (4 of 8 each) instead of split inside every expert. EP=2 must give the
+tokens of one device (greedy, float32) for single requests and batched unlike rows, a
+forward's logits allclose, and each rank must hold and read only its own experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from dlm_engine import Engine, EngineConfig
+from dlm_engine.models.common import full_logits
+from dlm_engine.models.moe import route, run_experts
+from dlm_engine.parallel import ParallelLM
+from dlm_engine.parallel.sharding import read_shard
+from dlm_lab.testing import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_per_rank() -> Iterator[None]:
+    """Two ranks on a 2-core machine: one thread each (workers take rank 0's count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_each_ranks_experts_sum_to_all_experts() -> None:
+    """`run_experts` over experts [first, first + E/N) of each rank adds up to every expert:
+    pairs routed elsewhere add nothing (not even the garbage rows past the last group)."""
+    g = torch.Generator().manual_seed(0)
+    n, h, inter, experts = 37, 16, 8, 8
+    x = torch.randn(n, h, generator=g)
+    gate = torch.randn(experts, h, generator=g)
+    chosen, weights = route(
+        x, gate, torch.zeros(experts), top_k=2, n_group=4, topk_group=2, routed_scaling_factor=2.5
+    )
+    w_gate_up = torch.randn(experts, h, 2 * inter, generator=g)
+    w_down = torch.randn(experts, inter, h, generator=g)
+    whole = run_experts(x, chosen, weights, w_gate_up, w_down)
+    for world in (2, 4):
+        per = experts // world
+        parts = [
+            run_experts(
+                x,
+                chosen,
+                weights,
+                w_gate_up[r * per : (r + 1) * per],
+                w_down[r * per : (r + 1) * per],
+                first_expert=r * per,
+            )  # fmt: skip
+            for r in range(world)
+        ]
+        assert all(torch.isfinite(p).all() for p in parts)
+        torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-5)
+    # a rank none of whose experts is chosen adds exactly zero
+    none = run_experts(x, chosen.clamp(max=3), weights, w_gate_up[4:], w_down[4:], first_expert=4)
+    assert torch.equal(none, torch.zeros_like(none))
+
+
+@pytest.fixture(scope="module")
+def llada2(tmp_path_factory) -> str:
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("ep") / "llada2", "llada2", seed=3))
+
+
+def test_a_rank_reads_only_its_own_experts(llada2) -> None:
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(llada2) / "config.json").read_text())
+    whole = read_shard(Path(llada2), "llada2", config, 0, 1, torch.device("cpu"), torch.float32)
+    for rank in (0, 1):
+        part = read_shard(
+            Path(llada2), "llada2", config, rank, 2, torch.device("cpu"), torch.float32, True
+        )
+        experts = {n for n in part if ".mlp.experts." in n}
+        # layer 0 is dense; layers 1 and 2 hold experts 0-3 of their 8, 3 tensors each
+        assert len(experts) == 2 * 4 * 3
+        for layer in (1, 2):
+            for local in range(4):
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    mine = f"model.layers.{layer}.mlp.experts.{local}.{proj}.weight"
+                    model = f"model.layers.{layer}.mlp.experts.{rank * 4 + local}.{proj}.weight"
+                    assert torch.equal(part[mine], whole[model])  # whole, renumbered
+        # the shared expert stays split inside (half of its intermediate size each)
+        shared = "model.layers.1.mlp.shared_experts.gate_proj.weight"
+        assert part[shared].shape[0] * 2 == whole[shared].shape[0]
+
+
+def test_llada2_ep2_equals_one_device(llada2) -> None:
+    one = Engine(EngineConfig(model=llada2))
+    two = Engine(EngineConfig(model=llada2, tensor_parallel_size=2, expert_parallel=True))
+    model = two.runner.model
+    try:
+        assert isinstance(model, ParallelLM) and len(model.workers.pids) == 1
+        moe = model.local.model.layers[1].mlp
+        assert moe.first_expert == 0 and moe.w_gate_up.shape[0] == 4  # 4 of 8 experts, whole
+        assert moe.w_gate_up.shape[1:] == one.runner.model.model.layers[1].mlp.w_gate_up.shape[1:]
+        texts = ("Hello there, what is 2+2?", "Sort: 5 3 9 1", "abc")
+        prompts = [one.encode_prompt(text=t) for t in texts]
+        x = torch.tensor([prompts[0] + [one.mask_id] * 12])
+        a, b = full_logits(one.runner.model)(x), full_logits(model)(x)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        rows = [{"max_tokens": 16}, {"max_tokens": 40}, {"max_tokens": 20}]
+
+        def tokens(engine: Engine, ps, params) -> list[list[int]]:
+            return [o.token_ids for o in engine.generate(ps, params)]
+
+        assert tokens(two, prompts[:1], rows[0]) == tokens(one, prompts[:1], rows[0])
+        assert tokens(two, prompts, rows) == tokens(one, prompts, rows)
+    finally:
+        model.close()
+    assert all(p.poll() is not None for p in model.workers.procs)  # every worker reaped
+
+
+def test_expert_parallel_is_refused_by_name_where_it_cannot_run(tmp_path) -> None:
+    llada = str(make_tiny_checkpoint(tmp_path / "llada", "llada", seed=1))
+    with pytest.raises(ValueError, match="expert_parallel is not supported for the llada family"):
+        Engine(EngineConfig(model=llada, tensor_parallel_size=2, expert_parallel=True))
+    odd = str(
+        make_tiny_checkpoint(
+            tmp_path / "odd", "llada2", seed=1, num_experts=3, n_group=1, topk_group=1
+        )
+    )
+    with pytest.raises(ValueError, match=r"does not divide .*num_experts.*expert_parallel \(3\)"):
+        Engine(EngineConfig(model=odd, tensor_parallel_size=2, expert_parallel=True))
