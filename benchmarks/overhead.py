@@ -12,7 +12,7 @@ import statistics
 import time
 from pathlib import Path
 
-from dlm_triton.launcher import Ports, TritonServerProcess
+from dlm_triton.launch.launcher import Ports, TritonServerProcess
 
 
 def engine_latencies(model: Path, prompts: list[str], params: dict) -> list[float]:

@@ -27,8 +27,8 @@ import torch
 from dlm_client import DLMClient
 
 from dlm_engine import Engine, EngineConfig
-from dlm_triton.launcher import Ports, TritonServerProcess
-from dlm_triton.settings import ASSETS_DIR
+from dlm_protocol.settings import ASSETS_DIR
+from dlm_triton.launch.launcher import Ports, TritonServerProcess
 
 MODEL = "tiny-dlm"
 QUESTION = "What is 1234 + 5678?"  # README.md's curl example

@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dlm_lab.training import tasks  # noqa: E402
-from dlm_triton.launcher import Ports, TritonServerProcess, free_port  # noqa: E402
-from dlm_triton.procs import http_ok, spawn, terminate  # noqa: E402
+from dlm_triton.launch.launcher import Ports, TritonServerProcess, free_port  # noqa: E402
+from dlm_triton.launch.procs import http_ok, spawn, terminate  # noqa: E402
 
 
 def start_proxy(grpc_urls: list[str], log: Path) -> tuple[subprocess.Popen, str]:

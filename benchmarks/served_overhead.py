@@ -28,7 +28,7 @@ from dlm_client import DLMClient
 from readme_chat import MESSAGES, MODEL, cpu_description, embedded_server
 
 from dlm_engine import Engine, EngineConfig
-from dlm_triton.settings import ASSETS_DIR
+from dlm_protocol.settings import ASSETS_DIR
 
 
 def in_process(engine: Engine, params: dict) -> tuple[float, str]:

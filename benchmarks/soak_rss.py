@@ -22,7 +22,7 @@ from pathlib import Path
 
 import openai
 
-from dlm_triton.launcher import Ports, TritonServerProcess
+from dlm_triton.launch.launcher import Ports, TritonServerProcess
 
 PROMPTS = [
     "What is {a} + {b}?",

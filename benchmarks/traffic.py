@@ -310,7 +310,7 @@ def build_engine(args, max_rows: int):
             **graph_limit(args),
         )
         return Engine(cfg, loaded=lm), torch
-    from dlm_triton.settings import ASSETS_DIR
+    from dlm_protocol.settings import ASSETS_DIR
 
     model = str(ASSETS_DIR / "tiny-dlm") if args.model == "tiny-dlm" else args.model
     cfg = EngineConfig(model=model, device=args.device, max_rows=max_rows, **graph_limit(args))
@@ -433,8 +433,8 @@ def main() -> None:
 
 def start_server(args, max_rows: int, out: Path):
     """tritonserver (+ proxy) for --model through the project launcher, started."""
-    from dlm_triton.launcher import Ports, TritonServerProcess
-    from dlm_triton.settings import ASSETS_DIR
+    from dlm_protocol.settings import ASSETS_DIR
+    from dlm_triton.launch.launcher import Ports, TritonServerProcess
 
     random_weights = args.model.startswith("random:")
     model = ASSETS_DIR / "tiny-dlm" if args.model == "tiny-dlm" else args.model
@@ -467,7 +467,7 @@ class Served:
 
 def settled_scrape(metrics_url: str, quiet_s: float = 0.3, timeout_s: float = 10) -> dict:
     """The server's step metrics once they stopped changing: step figures are recorded just
-    after the last final response (dlm_triton.step_metrics), so a round's last steps may be
+    after the last final response (dlm_triton.backend.step_metrics), so a round's last steps may be
     missing from a scrape taken the moment its answers arrived."""
     from triton_gpu_bench import scrape
 

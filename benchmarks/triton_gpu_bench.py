@@ -38,7 +38,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from dlm_triton.launcher import Ports, TritonServerProcess
+from dlm_triton.launch.launcher import Ports, TritonServerProcess
 
 _METRIC_LINE = re.compile(r"^(\w+)(?:\{[^}]*\})?\s+([-+0-9.eE]+|NaN)$")
 _WATCHED = (

@@ -7,7 +7,7 @@
 # A venv of that python3's base interpreter gets a .pth: the pack first (numpy<2 for the 3.12
 # stub), then this repository, then the machine's torch site-packages. With the venv's python
 # running the benchmark, the launcher puts its bin/ first on PATH for the stub and finds the
-# server through the pack's `pytriton` folder (dlm_triton/server_dist.py, wheel layout).
+# server through the pack's `pytriton` folder (dlm_triton/launch/server_dist.py, wheel layout).
 #
 # Wheels the pack lacks (llguidance) go in gpu_wheels/ (git-ignored; carry it):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -67,7 +67,7 @@ try:
     d = Path(tempfile.mkdtemp())
     build_char_tokenizer(d, "llada")
     AutoTokenizer.from_pretrained(str(d))
-    import tritonclient.grpc, dlm_client, dlm_triton.server_dist as sd
+    import tritonclient.grpc, dlm_client, dlm_triton.launch.server_dist as sd
     print("server:", sd.find_server().binary, sd.check_model_environment(), flush=True)
 except Exception:
     traceback.print_exc()

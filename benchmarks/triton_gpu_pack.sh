@@ -14,7 +14,7 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 py=${PY_TAG:-3.12}
 dest=$(realpath -m "${1:-$repo/.tritongpu/site.tar.xz}")
-root=$("$repo/.venv/bin/python" -c 'from dlm_triton.server_dist import wheel_root; print(wheel_root() or "")')
+root=$("$repo/.venv/bin/python" -c 'from dlm_triton.launch.server_dist import wheel_root; print(wheel_root() or "")')
 [ -n "$root" ] || { echo "nvidia-pytriton is not installed in $repo/.venv" >&2; exit 1; }
 src=$(dirname "$(dirname "$root")")  # site-packages
 stage=$(mktemp -d)

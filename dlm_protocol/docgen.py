@@ -1,9 +1,10 @@
 """Generated sections of the docs, so they cannot drift from the code.
 
-docs/api.md's contract tables come from this package; README.md's served-models table comes
-from ``model_repository/`` (``dlm_triton.model_table``, imported only when rendered: it builds
-each architecture on torch's meta device). ``python -m dlm_protocol.docgen`` rewrites every
-generated section of both files; ``--check`` exits 1 when a section differs (unit tests run
+docs/api.md's contract tables and docs/triton.md's server-settings table come from this
+package; README.md's served-models table comes from ``model_repository/``
+(``dlm_triton.launch.model_table``, imported only when rendered: it builds each architecture on
+torch's meta device). ``python -m dlm_protocol.docgen`` rewrites every generated section of
+these files; ``--check`` exits 1 when a section differs (unit tests run
 the same comparison). A section is the text between ``<!-- BEGIN GENERATED: name -->`` and
 ``<!-- END GENERATED -->``.
 """
@@ -16,6 +17,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from . import settings
 from .params import PARAMS
 from .response import USAGE_EXTRAS
 from .tensors import INPUTS, OUTPUTS, TensorSpec
@@ -23,6 +25,7 @@ from .tensors import INPUTS, OUTPUTS, TensorSpec
 ROOT = Path(__file__).resolve().parent.parent
 API_DOC = ROOT / "docs" / "api.md"
 README = ROOT / "README.md"
+TRITON_DOC = ROOT / "docs" / "triton.md"
 _SECTION = re.compile(
     r"(<!-- BEGIN GENERATED: (?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- END GENERATED -->)",
     re.DOTALL,
@@ -70,7 +73,7 @@ def usage_table() -> str:
 
 
 def models_table() -> str:
-    from dlm_triton.model_table import markdown  # torch, only when this section is rendered
+    from dlm_triton.launch.model_table import markdown  # torch, only when this section is rendered
 
     return markdown()
 
@@ -82,8 +85,13 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "usage": usage_table,
 }
 README_SECTIONS: dict[str, Callable[[], str]] = {"models": models_table}
+TRITON_SECTIONS: dict[str, Callable[[], str]] = {"settings": settings.markdown}
 # Every generated file and the sections it must hold.
-DOCS: dict[Path, dict[str, Callable[[], str]]] = {API_DOC: SECTIONS, README: README_SECTIONS}
+DOCS: dict[Path, dict[str, Callable[[], str]]] = {
+    API_DOC: SECTIONS,
+    README: README_SECTIONS,
+    TRITON_DOC: TRITON_SECTIONS,
+}
 
 
 def render(text: str, sections: dict[str, Callable[[], str]] = SECTIONS) -> str:

@@ -1,6 +1,6 @@
 """The Triton model's tensors: names, wire datatypes and shapes, written once.
 
-`dlm_triton.model_repo` writes them into every `config.pbtxt`, the adapter reads and writes
+`dlm_triton.launch.model_repo` writes them into every `config.pbtxt`, the adapter reads and writes
 them, the proxy and `dlm_client` build requests and read responses with them, and docs/api.md's
 tables are generated from them. Shapes leave out the batch dimension (Triton adds it).
 """

@@ -15,7 +15,7 @@ from typing import Any
 from .config import ProxyConfig
 
 # gRPC metadata Triton 2.51 checks for `--grpc-restricted-protocol=...:dlm-admin-key=<key>`
-# (the launcher's dlm_triton/admin_key.py names the same header).
+# (the launcher's dlm_triton/launch/admin_key.py names the same header).
 HEADER = "triton-grpc-protocol-dlm-admin-key"
 
 

@@ -47,7 +47,7 @@ CAPACITY_TTL_S = 5.0
 
 def server_capacity(triton_config: dict[str, Any]) -> int | None:
     """Requests one tritonserver admits for a model at once: its `max_queue` parameter (each
-    instance refuses `overloaded:` beyond it, dlm_triton/triton_model.py) x its instances
+    instance refuses `overloaded:` beyond it, dlm_triton/backend/triton_model.py) x its instances
     (an `instance_group` entry counts once per listed GPU). None: the config has no max_queue."""
     raw = triton_config.get("parameters", {}).get("max_queue", {}).get("string_value", "")
     try:

@@ -20,7 +20,7 @@ OUT = Path(__file__).resolve().parent / "dashboards" / "dlm-triton.json"
 K8S_COPY = OUT.parents[2] / "kubernetes" / "components" / "monitoring" / "dlm-triton.json"
 DATASOURCE = {"type": "prometheus", "uid": "dlm-prometheus"}
 
-# Our metrics (dlm_triton/metrics.py, openai_proxy/metrics.py) and Triton's own (nv_*), by role.
+# Our metrics (dlm_triton/backend/metrics.py, openai_proxy/metrics.py) and Triton's own (nv_*), by role.
 M = {
     "rows_per_step": "dlm_rows_per_step",  # histogram: rows in each engine forward
     "step_seconds": "dlm_step_duration_seconds",  # histogram: one engine step

@@ -10,8 +10,8 @@ import pytest
 from dlm_client import DLMClient
 from triton_metrics import read_metric, settled_metric
 
-from dlm_triton.launcher import Ports, TritonServerProcess
-from dlm_triton.server_dist import TritonNotFoundError, find_server
+from dlm_triton.launch.launcher import Ports, TritonServerProcess
+from dlm_triton.launch.server_dist import TritonNotFoundError, find_server
 
 TEST_MODEL = "tiny-test"
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from dlm_triton.launcher import Ports, TritonServerProcess
-from dlm_triton.server_dist import TritonNotFoundError, find_server
-from dlm_triton.settings import ASSETS_DIR
+from dlm_protocol.settings import ASSETS_DIR
+from dlm_triton.launch.launcher import Ports, TritonServerProcess
+from dlm_triton.launch.server_dist import TritonNotFoundError, find_server
 
 EMBEDDED_MODEL = ASSETS_DIR / "tiny-dlm"
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from dlm_triton import admin_key
-from dlm_triton.launcher import TritonServerProcess, free_port
-from dlm_triton.procs import spawn
+from dlm_triton.launch import admin_key
+from dlm_triton.launch.launcher import TritonServerProcess, free_port
+from dlm_triton.launch.procs import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 

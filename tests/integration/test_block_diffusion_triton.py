@@ -15,8 +15,8 @@ from triton_metrics import read_metric, settled_metric
 from dlm_engine.config import EngineConfig
 from dlm_engine.engine import Engine
 from dlm_lab import testing
-from dlm_triton.procs import http_text
-from dlm_triton.runtime_info import model_info
+from dlm_triton.launch.procs import http_text
+from dlm_triton.launch.runtime_info import model_info
 
 SYSTEM = "You are a careful assistant. Answer in one short line. "
 

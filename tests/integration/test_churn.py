@@ -24,7 +24,7 @@ from triton_metrics import read_metric
 
 from dlm_engine import Engine, EngineConfig
 from dlm_lab.training.tasks import heldout_examples, messages_for
-from dlm_triton.settings import ASSETS_DIR
+from dlm_protocol.settings import ASSETS_DIR
 
 pytestmark = pytest.mark.integration
 

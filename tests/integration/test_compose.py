@@ -221,7 +221,7 @@ def test_env_example_names_real_variables_and_keeps_the_grace_rule(
     assert seconds(services["triton"]["healthcheck"]["start_period"]) >= ready_timeout
     # The documented model is a Hub id (or a name that holds one): the loader can fetch it.
     from dlm_engine.hub import is_hub_id
-    from dlm_triton import model_repo
+    from dlm_triton.launch import model_repo
 
     model = active["DLM_MODEL"]
     specs = {m.name: m.checkpoint for m in model_repo.MODELS}
@@ -377,9 +377,9 @@ def test_hub_models_download_into_the_cache_volume(
     pinned = resolve(compose_cmd, env={"DLM_REVISION": "abc123", "HF_HUB_OFFLINE": "1"})
     env = pinned["services"]["triton"]["environment"]
     assert env["DLM_REVISION"] == "abc123" and env["HF_HUB_OFFLINE"] == "1"
-    from dlm_triton.settings import ENV_OVERRIDES
+    from dlm_protocol.settings import BY_NAME
 
-    assert ENV_OVERRIDES["revision"] == "DLM_REVISION"
+    assert BY_NAME["revision"].env == "DLM_REVISION"
 
 
 def test_monitoring_profile(compose_cmd: tuple[list[str], dict[str, str]]) -> None:
@@ -461,7 +461,7 @@ def test_triton_image_is_pinned_and_runs_the_launcher() -> None:
         "serve",
     ]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["dlm-triton"] == "dlm_triton.cli:main"
+    assert scripts["dlm-triton"] == "dlm_triton.launch.cli:main"
     # Dependencies come only from the lock (numpy<2, torch and bitsandbytes pinned there:
     # tests/integration/test_image_lock.py), the project itself without resolution.
     installs = [i for i in stage if "pip install" in i]
@@ -488,7 +488,7 @@ def test_triton_image_layers_and_user() -> None:
     assert any("HF_HOME=/cache/huggingface" in line for line in stage)
     healthcheck = next(line for line in stage if line.startswith("HEALTHCHECK"))
     start = re.search(r"--start-period=(\d+)m", healthcheck)
-    from dlm_triton.cli import build_parser
+    from dlm_triton.launch.cli import build_parser
 
     ready_default = build_parser().parse_args(["serve"]).ready_timeout
     assert start and int(start.group(1)) * 60 >= ready_default
@@ -500,7 +500,7 @@ def test_compose_command_flags_exist_in_the_launcher(
     """The image's ENTRYPOINT plus compose's command must be a valid ``dlm-triton serve``."""
     command = resolve(compose_cmd)["services"]["triton"]["command"]
     proc = subprocess.run(
-        [sys.executable, "-c", "from dlm_triton.cli import main; main()", "serve", "--help"],
+        [sys.executable, "-c", "from dlm_triton.launch.cli import main; main()", "serve", "--help"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -596,8 +596,8 @@ def test_compose_command_serves_and_stops_like_docker(
     pre-seeded Hub cache as on an air-gapped host), its own health-check command, then SIGTERM
     as ``docker stop`` sends it through tini. It must exit 0 within stop_grace_period and
     leave no stub or shm file."""
-    from dlm_triton.launcher import Ports
-    from dlm_triton.server_dist import TritonNotFoundError, find_server
+    from dlm_triton.launch.launcher import Ports
+    from dlm_triton.launch.server_dist import TritonNotFoundError, find_server
 
     try:
         find_server()
@@ -621,7 +621,7 @@ def test_compose_command_serves_and_stops_like_docker(
     entrypoint = (
         [str(script), "serve"]
         if script.exists()
-        else [sys.executable, "-m", "dlm_triton.cli", "serve"]
+        else [sys.executable, "-m", "dlm_triton.launch.cli", "serve"]
     )
     argv = [
         *entrypoint,

@@ -157,7 +157,7 @@ def test_forwards_and_max_nfe_on_every_surface(proxy, client, model, capsys) -> 
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["usage"] == usage
     # dlm-triton generate reports them too.
-    from dlm_triton.cli import main
+    from dlm_triton.launch.cli import main
 
     argv = ["generate", "hi", "--url", client.url, "--model", model, "--max-tokens", "16",
             "--steps", "16", "--block-length", "8", "--max-nfe", "3", "--suppress-eos"]  # fmt: skip

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dlm_triton.procs import alive, free_ports
-from dlm_triton.server_dist import TritonNotFoundError, find_server
+from dlm_triton.launch.procs import alive, free_ports
+from dlm_triton.launch.server_dist import TritonNotFoundError, find_server
 
 pytestmark = pytest.mark.integration
 EXIT_TIMEOUT_S = 10
@@ -29,7 +29,7 @@ def test_idle_serve_exits_cleanly_on_sigterm(tmp_path: Path) -> None:
     http, grpc, metrics = free_ports(3)
     log, err = tmp_path / "triton.log", tmp_path / "serve.err"
     cmd = [
-        sys.executable, "-m", "dlm_triton.cli", "serve", "--device", "cpu", "--no-proxy",
+        sys.executable, "-m", "dlm_triton.launch.cli", "serve", "--device", "cpu", "--no-proxy",
         "--exit-timeout", str(EXIT_TIMEOUT_S), "--http-port", str(http),
         "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--log-file", str(log),
     ]  # fmt: skip

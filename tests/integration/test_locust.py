@@ -22,8 +22,8 @@ from types import ModuleType
 import pytest
 from embedded_server import embedded_server as serve_embedded
 
-from dlm_triton.launcher import TritonServerProcess, proxy_command
-from dlm_triton.procs import spawn
+from dlm_triton.launch.launcher import TritonServerProcess, proxy_command
+from dlm_triton.launch.procs import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 

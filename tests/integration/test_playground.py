@@ -24,7 +24,7 @@ from chromium_setup import LAUNCH_ARGS, ensure_chromium
 from embedded_server import embedded_server as serve_embedded
 from proxy_fixtures import ProxyProcess
 
-from dlm_triton.launcher import TritonServerProcess
+from dlm_triton.launch.launcher import TritonServerProcess
 
 pytestmark = pytest.mark.integration
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")

@@ -22,7 +22,7 @@ import pytest
 from proxy_fixtures import ProxyProcess
 from triton_metrics import read_metric, scrape, settled_metric
 
-from dlm_triton.launcher import Ports, TritonServerProcess, free_port
+from dlm_triton.launch.launcher import Ports, TritonServerProcess, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -28,8 +28,8 @@ import pytest
 from conftest import TEST_MODEL, requires_triton, start_server
 from proxy_fixtures import ProxyProcess
 
-from dlm_triton.launcher import SHM_DIR, SHM_PREFIX, Ports, TritonServerProcess
-from dlm_triton.procs import alive, cmdline, http_ok, proc_children, spawn
+from dlm_triton.launch.launcher import SHM_DIR, SHM_PREFIX, Ports, TritonServerProcess
+from dlm_triton.launch.procs import alive, cmdline, http_ok, proc_children, spawn
 
 pytestmark = requires_triton
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dlm_triton.launcher import TritonServerProcess
+from dlm_triton.launch.launcher import TritonServerProcess
 
 SYSTEM_LIB_DIRS = {"/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib", "/lib",
                    "/usr/lib64", "/lib64", "/usr/local/lib"}  # fmt: skip

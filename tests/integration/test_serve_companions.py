@@ -25,10 +25,10 @@ import tritonclient.grpc as grpcclient
 from dlm_client import DLMClient, DLMError
 
 from dlm_lab.training import tasks
-from dlm_triton.launcher import DEFAULT_MODEL, Ports, TritonServerProcess
-from dlm_triton.procs import http_text
-from dlm_triton.runtime_info import model_info
-from dlm_triton.server_dist import TritonNotFoundError, find_server
+from dlm_triton.launch.launcher import DEFAULT_MODEL, Ports, TritonServerProcess
+from dlm_triton.launch.procs import http_text
+from dlm_triton.launch.runtime_info import model_info
+from dlm_triton.launch.server_dist import TritonNotFoundError, find_server
 
 pytestmark = pytest.mark.integration
 COMPANION = "tiny-sdar"

@@ -9,10 +9,10 @@ import re
 import numpy as np
 import pytest
 
-from dlm_triton import model_repo
-from dlm_triton.request_parse import RequestError, parse_request
-from dlm_triton.server_dist import TritonNotFoundError, find_server, python_tag
-from dlm_triton.settings import resolve_settings
+from dlm_triton.backend.request_parse import RequestError, parse_request
+from dlm_triton.backend.settings import resolve_settings
+from dlm_triton.launch import model_repo
+from dlm_triton.launch.server_dist import TritonNotFoundError, find_server, python_tag
 
 EXPECTED_MODELS = {
     "tiny-dlm",
@@ -32,7 +32,7 @@ EXPECTED_MODELS = {
 
 
 def test_committed_repository_matches_the_template() -> None:
-    assert model_repo.diff_repository() == [], "run: python -m dlm_triton.model_repo"
+    assert model_repo.diff_repository() == [], "run: python -m dlm_triton.launch.model_repo"
     folders = {p.name for p in model_repo.COMMITTED_REPOSITORY.iterdir() if p.is_dir()}
     assert folders == EXPECTED_MODELS
 
@@ -60,7 +60,7 @@ def test_model_folder_follows_the_contract(name: str) -> None:
             assert f'name: "{tensor}"' in text
         assert 'key: "checkpoint"' in text
     shim = (folder / "1" / "model.py").read_text()
-    assert "from dlm_triton.triton_model import TritonPythonModel" in shim
+    assert "from dlm_triton.backend.triton_model import TritonPythonModel" in shim
     assert len([line for line in shim.splitlines() if line.strip()]) <= 3
 
 
@@ -123,11 +123,11 @@ def test_env_overrides_config_parameters() -> None:
         device_id=1,
         environ={"DLM_DTYPE": "bfloat16", "DLM_MAX_ROWS": "8"},
     )
-    assert (s.dtype, s.max_rows, s.device, s.checkpoint) == ("bfloat16", 8, "cuda:1", "x")
+    assert (s.dtype, s.max_rows, s.device, s.model) == ("bfloat16", 8, "cuda:1", "x")
 
 
 def test_kv_pool_settings_parse_and_default_to_the_engine() -> None:
-    """Block-diffusion pool keys: config parameter or env, typed; unset stays None (the
+    """Block-diffusion pool keys: config parameter or env, typed; unset stays unset (the
     engine's own default); a bad value names the key."""
     s = resolve_settings(
         {"checkpoint": "x", "kv_cache_tokens": "4096"},
@@ -139,19 +139,19 @@ def test_kv_pool_settings_parse_and_default_to_the_engine() -> None:
         0,
     )
     unset = resolve_settings({"checkpoint": "x"}, environ={})
-    assert unset.kv_cache_tokens is unset.kv_cache_memory_fraction is None
+    assert not unset.configured("kv_cache_tokens")
+    assert not unset.configured("kv_cache_memory_fraction")
     with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
         resolve_settings({"checkpoint": "x", "kv_cache_memory_fraction": "half"}, environ={})
 
 
 def test_scheduling_settings_reach_the_engine_config() -> None:
     """phase_wait_steps, cuda_graph_max_tokens, the admission window: parameter or env, typed,
-    unset = the engine's default; every optional setting is an EngineConfig field (else it is
-    dropped)."""
+    unset = the engine's default; every setting is an EngineConfig field."""
     from dataclasses import fields
 
     from dlm_engine import EngineConfig
-    from dlm_triton.settings import OPTIONAL_KEYS
+    from dlm_protocol.settings import SETTINGS
 
     s = resolve_settings(
         {"checkpoint": "x", "phase_wait_steps": "0"},
@@ -170,16 +170,18 @@ def test_scheduling_settings_reach_the_engine_config() -> None:
     s = resolve_settings({"checkpoint": "x"}, environ={"DLM_ADMISSION_BURST_GAP_MS": "55"})
     assert s.admission_burst_gap_ms == 55.0
     unset = resolve_settings({"checkpoint": "x"}, environ={})
-    assert unset.phase_wait_steps is unset.cuda_graph_max_tokens is None
-    assert unset.admission_window_ms is unset.admission_gap_ms is None
-    assert unset.admission_burst_gap_ms is None
+    default = EngineConfig(model="x")
+    for name in ("phase_wait_steps", "cuda_graph_max_tokens", "admission_window_ms"):
+        assert not unset.configured(name) and getattr(unset, name) == getattr(default, name)
+    assert not unset.configured("admission_gap_ms")
+    assert not unset.configured("admission_burst_gap_ms")
     with pytest.raises(ValueError, match="admission_burst_gap_ms"):
         EngineConfig(model="x", admission_burst_gap_ms=-5)
     with pytest.raises(ValueError, match="admission_gap_ms"):
         resolve_settings({"checkpoint": "x", "admission_gap_ms": "soon"}, environ={})
     with pytest.raises(ValueError, match="admission_window_ms"):
         EngineConfig(model="x", admission_window_ms=-1)
-    assert set(OPTIONAL_KEYS) <= {f.name for f in fields(EngineConfig)}
+    assert [s.name for s in SETTINGS] == [f.name for f in fields(EngineConfig)]
     with pytest.raises(ValueError, match="phase_wait_steps"):
         resolve_settings({"checkpoint": "x", "phase_wait_steps": "many"}, environ={})
     with pytest.raises(ValueError, match="cuda_graph_max_tokens"):
@@ -187,7 +189,7 @@ def test_scheduling_settings_reach_the_engine_config() -> None:
 
 
 def test_checkpoint_names_resolve_to_embedded_assets(tmp_path) -> None:
-    from dlm_triton.settings import ASSETS_DIR, resolve_checkpoint
+    from dlm_protocol.settings import ASSETS_DIR, resolve_checkpoint
 
     if (ASSETS_DIR / "tiny-dlm").is_dir():
         assert resolve_checkpoint("tiny-dlm") == str((ASSETS_DIR / "tiny-dlm").resolve())
@@ -198,7 +200,7 @@ def test_checkpoint_names_resolve_to_embedded_assets(tmp_path) -> None:
 
 def test_max_batch_size_follows_a_max_rows_override() -> None:
     """A burst of max_rows requests must reach the engine in one execute() call."""
-    spec = model_repo.ModelSpec("m", "ckpt", extra={"max_rows": "32"})
+    spec = model_repo.ModelSpec("m", "ckpt", max_rows="32")
     assert "max_batch_size: 32" in model_repo.render_config(spec, "KIND_CPU")
     assert "max_batch_size: 16" in model_repo.render_config(
         model_repo.ModelSpec("m", "c"), "KIND_CPU"

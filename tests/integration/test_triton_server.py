@@ -14,7 +14,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from dlm_client import DLMClient, DLMError
 
-from dlm_triton.step_metrics import STEP_METRICS_EVERY_S
+from dlm_triton.backend.step_metrics import STEP_METRICS_EVERY_S
 
 pytestmark = pytest.mark.integration
 
@@ -113,7 +113,7 @@ def test_http_generate_stream_with_plain_http(client: DLMClient, triton_server) 
 
 
 def test_cli_generate_over_grpc_and_http(triton_server, capsys) -> None:
-    from dlm_triton.cli import main
+    from dlm_triton.launch.cli import main
 
     common = ["--model", triton_server.model_name, "--raw", "--max-tokens", "8", "--steps", "4"]
     assert main(["generate", "Hello", "--url", triton_server.urls["grpc"], *common]) == 0
@@ -314,7 +314,7 @@ def test_committed_repository_model_serves_with_env_overrides(
 ) -> None:
     """``model_repository/tiny-dlm`` itself (its CPU config and shim), the checkpoint given
     through DLM_CHECKPOINT as ``dlm-triton serve --model tiny-dlm`` would pass it."""
-    from dlm_triton.launcher import Ports, TritonServerProcess
+    from dlm_triton.launch.launcher import Ports, TritonServerProcess
 
     server = TritonServerProcess(
         "tiny-dlm",

@@ -21,8 +21,8 @@ import httpx
 import pytest
 from dlm_client import DLMClient, DLMError
 
-from dlm_triton.launcher import SHM_DIR, SHM_PREFIX, STUB_NAME
-from dlm_triton.procs import free_ports
+from dlm_triton.launch.launcher import SHM_DIR, SHM_PREFIX, STUB_NAME
+from dlm_triton.launch.procs import free_ports
 
 pytestmark = pytest.mark.integration
 LONG = {"max_tokens": 1024, "steps": 1024, "stream_mode": "denoise", "suppress_eos": True}
@@ -117,7 +117,7 @@ def test_cli_serve_stops_cleanly_on_sigterm(tiny_checkpoint: Path, tmp_path: Pat
     name = f"cli-{uuid.uuid4().hex[:8]}"
     http, grpc, metrics = free_ports(3)
     cmd = [
-        sys.executable, "-m", "dlm_triton.cli", "serve", "--model", str(tiny_checkpoint),
+        sys.executable, "-m", "dlm_triton.launch.cli", "serve", "--model", str(tiny_checkpoint),
         "--model-name", name, "--device", "cpu", "--no-proxy", "--exit-timeout", "5",
         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
         "--log-file", str(tmp_path / "triton.log"),
@@ -133,7 +133,7 @@ def test_cli_serve_stops_cleanly_on_sigterm(tiny_checkpoint: Path, tmp_path: Pat
         shm = _shm_names(stubs)
         assert stubs and shm
         out = subprocess.run(
-            [sys.executable, "-m", "dlm_triton.cli", "generate", "Hi", "--model", name,
+            [sys.executable, "-m", "dlm_triton.launch.cli", "generate", "Hi", "--model", name,
              "--url", f"127.0.0.1:{grpc}", "--max-tokens", "8", "--steps", "4", "--json"],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
@@ -176,7 +176,7 @@ def test_cli_serve_sigterm_while_loading_cleans_up(tiny_checkpoint: Path, tmp_pa
     name = f"load-{uuid.uuid4().hex[:8]}"
     http, grpc, metrics = free_ports(3)
     cmd = [
-        sys.executable, "-m", "dlm_triton.cli", "serve", "--model", str(tiny_checkpoint),
+        sys.executable, "-m", "dlm_triton.launch.cli", "serve", "--model", str(tiny_checkpoint),
         "--model-name", name, "--device", "cpu", "--no-proxy", "--exit-timeout", "5",
         "--http-port", str(http), "--grpc-port", str(grpc),
         "--metrics-port", str(metrics), "--log-file", str(tmp_path / "triton.log"),

@@ -7,7 +7,7 @@ import re
 import time
 import urllib.request
 
-from dlm_triton.launcher import TritonServerProcess
+from dlm_triton.launch.launcher import TritonServerProcess
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$")
 
@@ -38,7 +38,7 @@ def settled_metric(
 ) -> float:
     """``read_metric`` once it has stopped changing for ``quiet_s``. Step figures (rows and
     wall time per step, prefix-cache tokens) are recorded in a batch right after the engine's
-    last final response (dlm_triton.step_metrics), so a client holding its answer may read
+    last final response (dlm_triton.backend.step_metrics), so a client holding its answer may read
     them a moment early."""
     deadline = time.monotonic() + timeout_s
     value = read_metric(server, name)

@@ -9,7 +9,7 @@ import pytest
 from reliability_stack import require_triton, start_stack
 
 from dlm_lab.testing import make_tiny_checkpoint
-from dlm_triton.launcher import TritonServerProcess
+from dlm_triton.launch.launcher import TritonServerProcess
 
 
 @pytest.fixture(scope="session")

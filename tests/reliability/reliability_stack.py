@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dlm_triton.launcher import Ports, TritonServerProcess
-from dlm_triton.procs import spawn
-from dlm_triton.server_dist import TritonNotFoundError, find_server
+from dlm_triton.launch.launcher import Ports, TritonServerProcess
+from dlm_triton.launch.procs import spawn
+from dlm_triton.launch.server_dist import TritonNotFoundError, find_server
 
 MODEL = "tiny-rel"
 LONG_ENV = "DLM_RELIABILITY_LONG"  # set to 1 for the long variants (docs/reliability.md)
@@ -123,7 +123,7 @@ class ExtraProxy:
     """One more proxy process in front of the stack's Triton (own flags); stopped by PID."""
 
     def __init__(self, server: TritonServerProcess, *args: str, with_key: bool = True) -> None:
-        from dlm_triton.launcher import free_port
+        from dlm_triton.launch.launcher import free_port
 
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"

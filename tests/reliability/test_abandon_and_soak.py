@@ -20,7 +20,7 @@ import httpx
 import pytest
 from reliability_stack import LONG_ENV, chat_body, long_runs, metric_value
 
-from dlm_triton.launcher import TritonServerProcess
+from dlm_triton.launch.launcher import TritonServerProcess
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import tritonclient.grpc as grpcclient
 from reliability_stack import ExtraProxy, chat_body
 from tritonclient.utils import InferenceServerException
 
-from dlm_triton.launcher import TritonServerProcess
+from dlm_triton.launch.launcher import TritonServerProcess
 
 pytestmark = pytest.mark.integration
 

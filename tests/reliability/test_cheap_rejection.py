@@ -22,8 +22,8 @@ from dlm_engine import Engine, EngineConfig
 from dlm_engine.errors import InvalidRequestError
 from dlm_engine.prompt_limits import longest_token_bytes
 from dlm_lab.testing import make_tiny_checkpoint
-from dlm_triton.intake import INLINE_BYTES, Intake, input_bytes
-from dlm_triton.launcher import TritonServerProcess
+from dlm_triton.backend.intake import INLINE_BYTES, Intake, input_bytes
+from dlm_triton.launch.launcher import TritonServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ import pytest
 from dlm_client import DLMClient, DLMError
 from reliability_stack import chat_body, metric_value, proxy_stream
 
-from dlm_triton.launcher import TritonServerProcess
+from dlm_triton.launch.launcher import TritonServerProcess
 
 pytestmark = pytest.mark.integration
 

@@ -25,7 +25,7 @@ from dlm_client import DLMClient
 from reliability_stack import LONG_ENV, MODEL, chat_body, long_runs, metric_value
 
 from dlm_protocol import limits
-from dlm_triton.launcher import TritonServerProcess
+from dlm_triton.launch.launcher import TritonServerProcess
 
 pytestmark = pytest.mark.integration
 

@@ -26,7 +26,7 @@ from reliability_stack import (
     status_of,
 )
 
-from dlm_triton.launcher import TritonServerProcess
+from dlm_triton.launch.launcher import TritonServerProcess
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """Nothing outlives its parent: a test run, benchmark or launcher killed by a time limit (SIGTERM
 or SIGKILL, no teardown) leaves no tritonserver, Python stub or OpenAI proxy behind.
 
-Children are started with a parent-death signal (`dlm_triton.procs.spawn`), also when the
+Children are started with a parent-death signal (`dlm_triton.launch.procs.spawn`), also when the
 thread that asked for them has ended (the supervisor's restarts); the stubs, which tritonserver
 starts, end themselves once tritonserver is gone (`procs.exit_when_orphaned`).
 """
@@ -20,8 +20,8 @@ import pytest
 from reliability_stack import MODEL, require_triton
 
 from dlm_lab.testing import make_tiny_checkpoint
-from dlm_triton.launcher import Ports, TritonServerProcess
-from dlm_triton.procs import alive
+from dlm_triton.launch.launcher import Ports, TritonServerProcess
+from dlm_triton.launch.procs import alive
 
 GONE_WITHIN_S = 30.0  # tritonserver's own SIGTERM exit (exit timeout 5 s) on a busy machine
 
@@ -30,7 +30,7 @@ GONE_WITHIN_S = 30.0  # tritonserver's own SIGTERM exit (exit timeout 5 s) on a 
 PARENT = """
 import json, sys, threading, time
 from pathlib import Path
-from dlm_triton.launcher import Ports, TritonServerProcess
+from dlm_triton.launch.launcher import Ports, TritonServerProcess
 server = TritonServerProcess(
     Path(sys.argv[1]), model_name=sys.argv[2], device="cpu", ports=Ports.free(), proxy=True,
     log_path=Path(sys.argv[3]), ready_timeout_s=180, exit_timeout_s=5,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from reliability_stack import ExtraProxy, long_runs
 
-from dlm_triton.launcher import TritonServerProcess
+from dlm_triton.launch.launcher import TritonServerProcess
 
 schemathesis = pytest.importorskip("schemathesis")
 # Its OpenAPI adapters are imported lazily; import (and assertion-rewrite) them here at

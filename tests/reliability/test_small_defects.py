@@ -17,8 +17,8 @@ from reliability_stack import MODEL, chat_body, metric_value, require_triton, st
 from dlm_engine import Engine, EngineConfig, EngineLoop
 from dlm_lab.testing import make_tiny_checkpoint
 from dlm_protocol.tensors import PROMPT_INPUT_NAMES, STREAM
-from dlm_triton.launcher import SHM_DIR, Ports, TritonServerProcess
-from dlm_triton.request_parse import RequestError, parse_request
+from dlm_triton.backend.request_parse import RequestError, parse_request
+from dlm_triton.launch.launcher import SHM_DIR, Ports, TritonServerProcess
 from openai_proxy.triton_pool import server_capacity
 
 

@@ -17,7 +17,7 @@ import pytest
 from reliability_stack import MODEL, ExtraProxy, metric_value, require_triton, start_stack
 
 from dlm_lab.testing import make_tiny_checkpoint
-from dlm_triton.launcher import TritonServerProcess
+from dlm_triton.launch.launcher import TritonServerProcess
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,7 @@ from dlm_client import DLMClient, DLMError
 from reliability_stack import MODEL
 
 from dlm_engine.tools import shortest_json, smallest_call
-from dlm_triton.launcher import TritonServerProcess
+from dlm_triton.launch.launcher import TritonServerProcess
 
 pytestmark = pytest.mark.integration
 

@@ -11,8 +11,8 @@ import pytest
 
 from dlm_engine.hub import CheckpointNotFoundError
 from dlm_lab.testing import seed_hub_cache
-from dlm_triton.checkpoint_fetch import fetch_checkpoint, served_checkpoint
-from dlm_triton.model_repo import COMMITTED_REPOSITORY, MODELS
+from dlm_triton.launch.checkpoint_fetch import fetch_checkpoint, served_checkpoint
+from dlm_triton.launch.model_repo import COMMITTED_REPOSITORY, MODELS
 
 ROOT = Path(__file__).resolve().parents[2]
 LLADA = next(m for m in MODELS if m.name == "llada-8b-instruct")
@@ -57,7 +57,7 @@ def test_serve_stops_with_one_line_when_the_model_cannot_be_fetched(tmp_path: Pa
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"),
            "HF_HUB_OFFLINE": "1"}  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, "-m", "dlm_triton.cli", "serve", "--model", "test-org/absent",
+        [sys.executable, "-m", "dlm_triton.launch.cli", "serve", "--model", "test-org/absent",
          "--no-proxy", "--device", "cpu"],
         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env,
     )  # fmt: skip

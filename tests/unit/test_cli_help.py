@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dlm_protocol.params import ALGORITHM_SUMMARIES, ALGORITHMS, PARAMS
-from dlm_triton import cli
+from dlm_triton.launch import cli
 from openai_proxy.config import build_arg_parser as proxy_parser
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"

@@ -12,8 +12,9 @@ from pydantic import ValidationError
 from dlm_engine import Engine, EngineConfig, InvalidRequestError, SamplingParams
 from dlm_protocol import ALIASES, PARAM_NAMES, PARAMS, docgen, limits, parse_params, tensors
 from dlm_protocol.params import BLOCK_DIFFUSION_ONLY, UNIFORM_ONLY
-from dlm_triton import cli, model_repo
-from dlm_triton.settings import InstanceSettings
+from dlm_protocol.settings import BY_NAME as SETTINGS
+from dlm_triton.backend.settings import resolve_settings
+from dlm_triton.launch import cli, model_repo
 from openai_proxy.config import ProxyConfig
 from openai_proxy.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -140,7 +141,7 @@ def test_tensors_are_written_from_the_contract() -> None:
     config = model_repo.render_config(model_repo.MODELS[0], "KIND_CPU")
     for t in (*tensors.INPUTS, *tensors.OUTPUTS):
         assert f'name: "{t.name}" data_type: {t.config_type}' in config, t.name
-    assert model_repo.diff_repository() == [], "run python -m dlm_triton.model_repo"
+    assert model_repo.diff_repository() == [], "run python -m dlm_triton.launch.model_repo"
     from dlm_client import client
 
     assert client.OUTPUTS == tensors.OUTPUT_NAMES
@@ -151,18 +152,21 @@ def test_tensors_are_written_from_the_contract() -> None:
 
 def test_config_defaults_share_one_source() -> None:
     engine = EngineConfig(model="x")
-    settings = InstanceSettings(checkpoint="x")
+    settings = resolve_settings({"checkpoint": "x"}, environ={})
     spec = model_repo.ModelSpec("x", "x")
     for name in ("max_rows", "max_canvas", "max_prompt", "max_queue"):
         want = getattr(limits, name.upper())
-        assert getattr(engine, name) == getattr(settings, name) == getattr(spec, name) == want
+        assert getattr(engine, name) == getattr(settings, name) == spec.value(name) == want
+        assert f'key: "{name}" value: {{ string_value: "{want}" }}' in model_repo.render_config(
+            spec, "KIND_CPU"
+        )
     assert engine.default_max_tokens == limits.DEFAULT_MAX_TOKENS
     assert ProxyConfig().max_tokens_limit == limits.PROXY_MAX_TOKENS_LIMIT
-    # No other default hides in these dataclasses for the shared names.
-    for cls in (EngineConfig, InstanceSettings, model_repo.ModelSpec):
-        for f in dataclasses.fields(cls):
-            if hasattr(limits, f.name.upper()):
-                assert f.default == getattr(limits, f.name.upper()), (cls, f.name)
+    # No other default hides in the engine's fields for the shared names: the registry's.
+    for f in dataclasses.fields(EngineConfig):
+        assert f.default is dataclasses.MISSING or f.default == SETTINGS[f.name].default
+        if hasattr(limits, f.name.upper()):
+            assert f.default == getattr(limits, f.name.upper()), f.name
 
 
 def test_cli_has_a_flag_per_key() -> None:

@@ -10,7 +10,7 @@ import pytest
 from dlm_engine import Engine, EngineConfig
 from dlm_engine.decoding.checkpoint_defaults import GENERATION_LENGTHS, generation_length
 from dlm_lab.testing import TINY_GENERATION_LENGTH, make_tiny_checkpoint
-from dlm_triton.settings import ASSETS_DIR
+from dlm_protocol.settings import ASSETS_DIR
 
 
 def _without_length(path: Path) -> Path:

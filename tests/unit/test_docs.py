@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from dlm_protocol import docgen
-from dlm_triton import cli, model_table
-from dlm_triton.model_repo import COMMITTED_REPOSITORY
+from dlm_triton.launch import cli, model_table
+from dlm_triton.launch.model_repo import COMMITTED_REPOSITORY
 
 ROOT = Path(__file__).resolve().parents[2]
 USER_DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]

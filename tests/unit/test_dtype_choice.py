@@ -30,7 +30,7 @@ def test_the_embedded_model_loads_in_float32_on_cpu() -> None:
     import torch
 
     from dlm_engine.loader import load_checkpoint
-    from dlm_triton.settings import ASSETS_DIR
+    from dlm_protocol.settings import ASSETS_DIR
 
     lm = load_checkpoint(ASSETS_DIR / "tiny-dlm", "auto", "cpu")
     assert lm.dtype == torch.float32

@@ -115,8 +115,8 @@ def test_priority_reaches_the_engine_from_every_surface() -> None:
     CLI flag all carry the contract's key unchanged (n > 1: every choice keeps it)."""
     import numpy as np
 
-    from dlm_triton import cli
-    from dlm_triton.request_parse import parse_request
+    from dlm_triton.backend.request_parse import parse_request
+    from dlm_triton.launch import cli
     from openai_proxy.config import ProxyConfig
     from openai_proxy.converters import sampling_parameters
     from openai_proxy.schemas import ChatCompletionRequest

@@ -149,7 +149,7 @@ def test_per_tensor_scales_load_as_per_channel(tmp_path: Path) -> None:
 def test_unsupported_quantization_method_is_named(tmp_path: Path) -> None:
     src = make_tiny_checkpoint(tmp_path / "src", "llada", seed=7)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "hqq", "bits": 4}
     (src / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quant_method 'gptq'"):
+    with pytest.raises(ValueError, match="quant_method 'hqq'"):
         load_checkpoint(src)

@@ -177,7 +177,7 @@ def test_download_command_seeds_the_cache_for_offline_serving(
     hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     """`dlm-triton download` on a connected host = the files `serve` needs offline later."""
-    from dlm_triton.cli import main
+    from dlm_triton.launch.cli import main
 
     assert main(["download", REPO, "--revision", COMMIT]) == 0
     folder = Path(capsys.readouterr().out.strip().splitlines()[-1])

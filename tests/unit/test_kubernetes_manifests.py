@@ -22,7 +22,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from dlm_triton import cli, metrics
+from dlm_triton.backend import metrics
+from dlm_triton.launch import cli
 from openai_proxy.config import ProxyConfig
 from openai_proxy.replicas import DNS_PREFIX
 
@@ -75,7 +76,7 @@ def one(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
 
 @functools.cache
 def exported_metrics() -> frozenset[str]:
-    """The metric families dlm_triton/metrics.py registers, read by running it on a fake
+    """The metric families dlm_triton/backend/metrics.py registers, read by running it on a fake
     pb_utils that records them (Triton's MetricFamily API as the model uses it)."""
     names: set[str] = set()
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from dlm_triton.procs import free_port, free_ports
+from dlm_triton.launch.procs import free_port, free_ports
 from openai_proxy.app import create_app
 from openai_proxy.config import ProxyConfig, config_from_args
 from openai_proxy.security import UnsafeExposureError, check_exposure, is_loopback

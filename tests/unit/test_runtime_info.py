@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dlm_triton.runtime_info import model_info
+from dlm_triton.launch.runtime_info import model_info
 
 TEXT = """# HELP dlm_model_info Always 1
 # TYPE dlm_model_info gauge

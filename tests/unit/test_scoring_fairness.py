@@ -19,7 +19,7 @@ import torch
 import dlm_engine.engine as engine_module
 from dlm_engine import Engine, EngineConfig, InvalidRequestError, RequestOutput
 from dlm_engine.scoring import ScoreJob, ScoringQueue
-from dlm_triton.settings import resolve_settings
+from dlm_triton.backend.settings import resolve_settings
 
 GEN = {"max_tokens": 16, "steps": 16, "temperature": 0.8, "seed": 5}
 LONG_GEN = {**GEN, "max_tokens": 32, "steps": 32}
@@ -233,7 +233,7 @@ def test_the_setting(ckpt_dir: dict[str, Path]) -> None:
     assert s.score_step_tokens == 512
     env = resolve_settings({"checkpoint": "x"}, environ={"DLM_SCORE_STEP_TOKENS": "2048"})
     assert env.score_step_tokens == 2048
-    assert resolve_settings({"checkpoint": "x"}, environ={}).score_step_tokens is None
+    assert not resolve_settings({"checkpoint": "x"}, environ={}).configured("score_step_tokens")
     with pytest.raises(ValueError, match="score_step_tokens"):
         resolve_settings({"checkpoint": "x", "score_step_tokens": "lots"}, environ={})
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dlm_triton import cli, launcher, model_repo
-from dlm_triton.launcher import Ports, TritonServerProcess, proxy_command
+from dlm_triton.launch import cli, launcher, model_repo
+from dlm_triton.launch.launcher import Ports, TritonServerProcess, proxy_command
 
 
 @pytest.fixture(autouse=True)

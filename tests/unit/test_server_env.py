@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dlm_triton import server_dist
-from dlm_triton.server_dist import find_server, libpython_dir, model_env
+from dlm_triton.launch import server_dist
+from dlm_triton.launch.server_dist import find_server, libpython_dir, model_env
 
 SYSTEM_LIB_DIRS = {"/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib", "/lib",
                    "/usr/lib64", "/lib64", "/usr/local/lib"}  # fmt: skip

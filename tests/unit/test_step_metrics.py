@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dlm_triton.step_metrics import StepFigures, StepMetrics
+from dlm_triton.backend.step_metrics import StepFigures, StepMetrics
 
 
 class _Series:

@@ -17,7 +17,7 @@ from dlm_engine.engine import Engine
 from dlm_engine.errors import InvalidRequestError
 from dlm_engine.prefix_cache import page_hashes
 from dlm_lab import testing
-from dlm_triton.procs import free_port
+from dlm_triton.launch.procs import free_port
 from openai_proxy import security, tenancy
 from openai_proxy.app import create_app
 from openai_proxy.config import ProxyConfig, config_from_args

@@ -221,8 +221,8 @@ def test_a_worker_that_dies_at_start_is_reported_at_once(ckpts, monkeypatch) -> 
 
 
 def test_tensor_parallel_size_is_a_flag_an_env_var_and_a_parameter() -> None:
-    from dlm_triton import cli
-    from dlm_triton.settings import resolve_settings
+    from dlm_triton.backend.settings import resolve_settings
+    from dlm_triton.launch import cli
 
     args = cli.build_parser().parse_args(["serve", "--tensor-parallel-size", "2"])
     assert args.tensor_parallel_size == 2
@@ -230,6 +230,6 @@ def test_tensor_parallel_size_is_a_flag_an_env_var_and_a_parameter() -> None:
     assert resolve_settings(params, environ={}).tensor_parallel_size == 2
     env = {"DLM_TENSOR_PARALLEL_SIZE": "4"}
     assert resolve_settings(params, environ=env).tensor_parallel_size == 4
-    assert resolve_settings({"checkpoint": "x"}, environ={}).tensor_parallel_size is None
+    assert not resolve_settings({"checkpoint": "x"}, environ={}).configured("tensor_parallel_size")
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer"):
         resolve_settings({"checkpoint": "x", "tensor_parallel_size": "two"}, environ={})

@@ -1,3 +1,3 @@
-"""Triton Python backend entry point; the adapter lives in dlm_triton.triton_model."""
+"""Triton Python backend entry point; the adapter lives in dlm_triton.backend.triton_model."""
 
-from dlm_triton.triton_model import TritonPythonModel  # noqa: F401
+from dlm_triton.backend.triton_model import TritonPythonModel  # noqa: F401

@@ -142,19 +142,3 @@ def terminate(proc: subprocess.Popen, timeout: float) -> bool:
             proc.kill()
         proc.wait(timeout=10)
         return True
-
-
-def exit_when_orphaned(interval_s: float = 0.5) -> threading.Thread:
-    """In a process whose parent cannot set its death signal (a Triton Python stub, started
-    by tritonserver): a daemon thread that ends this process at once (``os._exit``: no
-    interpreter shutdown that could wait on a busy thread) when the parent is gone."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            threading.Event().wait(interval_s)
-        os._exit(1)
-
-    thread = threading.Thread(target=watch, name="dlm-orphan-watch", daemon=True)
-    thread.start()
-    return thread

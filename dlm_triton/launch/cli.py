@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dlm_protocol import PARAMS, Param, limits
+from dlm_protocol import PARAMS, Param, settings
 from dlm_protocol.params import ALGORITHM_SUMMARIES
-from dlm_triton.launcher import (
+from dlm_triton.launch.launcher import (
     DEFAULT_MODEL,
     EMBEDDED_COMPANIONS,
     Ports,
@@ -56,46 +56,13 @@ def _serve_parser(sub: Any) -> None:
     )
     p.add_argument("--model-name", help="Triton model name for a checkpoint directory")
     p.add_argument(
-        "--revision", help="Hub branch, tag or commit of a Hub id (pin a commit in production)"
-    )
-    p.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda"],
         default="auto",
         help="where the model runs (auto: cuda when a GPU is visible)",
     )
-    p.add_argument(
-        "--dtype",
-        help="auto (the checkpoint's torch_dtype; float32 on CPU), bfloat16, float16, float32 "
-        "(default: the model's config.pbtxt, else auto)",
-    )
-    p.add_argument(
-        "--quantization",
-        help="none, fp8 (e4m3: native on Ada/Hopper GPUs, dequantized elsewhere), int8, nf4 "
-        "(bitsandbytes, CUDA) (default: the model's config.pbtxt, else none)",
-    )
-    from_config = "(default: the model's config.pbtxt, else {})"
-    p.add_argument(
-        "--max-rows",
-        type=int,
-        help=f"rows per denoising step {from_config.format(limits.MAX_ROWS)}",
-    )
-    p.add_argument(
-        "--max-canvas",
-        type=int,
-        help=f"max_tokens ceiling {from_config.format(limits.MAX_CANVAS)}",
-    )
-    p.add_argument(
-        "--max-prompt",
-        type=int,
-        help=f"prompt tokens ceiling {from_config.format(limits.MAX_PROMPT)}",
-    )
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        help="ranks the weights are split over: one engine driving N processes, one device "
-        "each (CUDA: consecutive GPUs; CPU: gloo) (default: the model's config.pbtxt, else 1)",
-    )
+    for setting in settings.serve_flags():  # one flag per server setting
+        _setting_flag(p, setting)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in Docker)")
     p.add_argument("--http-port", type=int, default=8000, help="Triton HTTP port")
     p.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port")
@@ -117,6 +84,36 @@ def _serve_parser(sub: Any) -> None:
         action="store_true",
         help="leave Triton's model control, logging, trace and shm APIs open",
     )
+
+
+_SETTING_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _setting_flag(parser: argparse.ArgumentParser, setting: settings.Setting) -> None:
+    """A ``serve`` flag that sets ``setting`` (absent: the model's ``config.pbtxt``)."""
+    default = setting.default_text.replace("`", "")
+    help_text = (
+        f"{setting.doc.replace('`', '')} (default: the model's config.pbtxt, else {default})"
+    )
+    kw: dict[str, Any] = {
+        "dest": setting.name,
+        "default": None,
+        "help": help_text.replace("%", "%%"),
+    }
+    if setting.kind == "bool":
+        parser.add_argument(setting.flag, action=argparse.BooleanOptionalAction, **kw)
+        return
+    if setting.choices:
+        kw["choices"] = list(setting.allowed)
+    else:
+        kw["metavar"] = setting.kind.upper()
+    parser.add_argument(setting.flag, type=_SETTING_TYPES[setting.kind], **kw)
+
+
+def served_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The settings given as ``serve`` flags, by config parameter name, as config text."""
+    given = {s: getattr(args, s.name) for s in settings.serve_flags()}
+    return {s.param: s.text(v) for s, v in given.items() if v is not None}
 
 
 def _algorithms_epilog() -> str:
@@ -192,8 +189,8 @@ def download(args: argparse.Namespace) -> int:
     """Resolve the checkpoint the launcher would serve, and fetch it into the Hub cache."""
     import os
 
-    from dlm_triton.checkpoint_fetch import served_checkpoint
-    from dlm_triton.launcher import committed_repository
+    from dlm_triton.launch.checkpoint_fetch import served_checkpoint
+    from dlm_triton.launch.launcher import committed_repository
 
     checkpoint, revision = args.model, args.revision
     config = committed_repository() / args.model / "config.pbtxt"
@@ -225,25 +222,12 @@ def served_also(args: argparse.Namespace) -> list[str]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    engine_params = {
-        k: str(v)
-        for k, v in {
-            "max_rows": args.max_rows,
-            "max_canvas": args.max_canvas,
-            "max_prompt": args.max_prompt,
-            "revision": args.revision,
-            "tensor_parallel_size": args.tensor_parallel_size,
-        }.items()
-        if v is not None
-    }
     also = served_also(args)
     server = TritonServerProcess(
         args.model,
         model_name=args.model_name,
         device=args.device,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        engine_params=engine_params,
+        engine_params=served_settings(args),
         ports=Ports(args.http_port, args.grpc_port, args.metrics_port, args.proxy_port),
         address=args.host,
         proxy=not args.no_proxy,

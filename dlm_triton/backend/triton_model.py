@@ -18,7 +18,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +26,16 @@ import numpy as np
 
 from dlm_protocol import tensors
 from dlm_protocol.errors import ERROR_PREFIXES, PREFIX_INTERNAL
-from dlm_triton.intake import Intake
-from dlm_triton.metrics import Metrics
-from dlm_triton.request_parse import RequestError, parse_request
-from dlm_triton.settings import OPTIONAL_KEYS, config_parameters, resolve_settings
-from dlm_triton.step_metrics import CATCH_UP_S, STEP_METRICS_EVERY_S, StepFigures, StepMetrics
+from dlm_triton.backend.intake import Intake
+from dlm_triton.backend.metrics import Metrics
+from dlm_triton.backend.request_parse import RequestError, parse_request
+from dlm_triton.backend.settings import config_parameters, resolve_settings
+from dlm_triton.backend.step_metrics import (
+    CATCH_UP_S,
+    STEP_METRICS_EVERY_S,
+    StepFigures,
+    StepMetrics,
+)
 
 try:  # only importable inside the Python backend stub
     import triton_python_backend_utils as pb_utils
@@ -80,7 +85,7 @@ class TritonPythonModel:
         from dlm_engine import Engine, EngineConfig, EngineLoop
         from dlm_engine.models.common import FusedKernels
         from dlm_engine.threads import hand_threads_to_engine_thread
-        from dlm_triton.procs import exit_when_orphaned
+        from dlm_triton.backend.orphan import exit_when_orphaned
 
         # tritonserver starts this stub and cannot make it die with it: a tritonserver that
         # died (SIGKILL, crash) must not leave the stub and its model running
@@ -95,26 +100,9 @@ class TritonPythonModel:
             model_dir=model_dir.parent if model_dir.name.isdigit() else model_dir,
         )
         s = self.settings
-        wanted = {
-            "model": s.checkpoint,
-            "revision": s.revision,
-            "dtype": s.dtype,
-            "device": s.device,
-            "max_rows": s.max_rows,
-            "max_canvas": s.max_canvas,
-            "max_prompt": s.max_prompt,
-            "max_queue": s.max_queue,
-            "quantization": None if s.quantization in ("", "none") else s.quantization,
-        }
-        for key in OPTIONAL_KEYS:  # set only when configured: else the engine's default
-            if getattr(s, key) is not None:
-                wanted[key] = getattr(s, key)
-        accepted = {f.name for f in fields(EngineConfig)}
-        if "quantization" not in accepted and wanted["quantization"]:
-            raise ValueError(f"this engine does not support quantization={s.quantization!r}")
         # the main thread stays single-threaded; the engine thread steps with every thread
         self.torch_threads = hand_threads_to_engine_thread()
-        self.engine = Engine(EngineConfig(**{k: v for k, v in wanted.items() if k in accepted}))
+        self.engine = Engine(EngineConfig(**s.values))
         self.instance_name = args.get("model_instance_name", "0")
         self.metrics = Metrics(pb_utils, self.model_name, self.instance_name)
         # the launcher counts restarts across server lives and hands the count to each one
@@ -152,7 +140,7 @@ class TritonPythonModel:
             **self._kv_pool_labels(),
         )
         pb_utils.Logger.log_info(
-            f"dlm model {self.model_name}: checkpoint={s.checkpoint} device={s.device} "
+            f"dlm model {self.model_name}: checkpoint={s.model} device={s.device} "
             f"dtype={dtype} ({why}) max_rows={s.max_rows} torch_threads={self.torch_threads} (engine thread)"
         )
         # What is loaded now lives as long as the process: frozen, it is out of the cyclic

@@ -16,7 +16,7 @@ import os
 import secrets
 from pathlib import Path
 
-from dlm_triton.server_dist import default_cache_dir
+from dlm_triton.launch.server_dist import default_cache_dir
 
 HEADER = "dlm-admin-key"  # HTTP; Triton's gRPC server expects it with this prefix (2.51):
 GRPC_HEADER = f"triton-grpc-protocol-{HEADER}"

@@ -1,5 +1,5 @@
 """How a loaded model instance runs (dtype and why, device, torch threads), read back from its
-``dlm_model_info`` metric (dlm_triton/metrics.py) so the launcher's ready line says what the
+``dlm_model_info`` metric (dlm_triton/backend/metrics.py) so the launcher's ready line says what the
 model itself chose, not what the launcher guesses."""
 
 from __future__ import annotations

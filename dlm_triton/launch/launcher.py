@@ -26,9 +26,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dlm_triton import admin_key, model_repo
-from dlm_triton.checkpoint_fetch import fetch_checkpoint, served_checkpoint
-from dlm_triton.procs import (
+from dlm_protocol import settings
+from dlm_triton.launch import admin_key, model_repo
+from dlm_triton.launch.checkpoint_fetch import fetch_checkpoint, served_checkpoint
+from dlm_triton.launch.procs import (
     alive,
     cmdline,
     free_port,
@@ -41,10 +42,9 @@ from dlm_triton.procs import (
     suppress,
     terminate,
 )
-from dlm_triton.runtime_info import model_info
-from dlm_triton.server_dist import ServerDist, find_server
-from dlm_triton.settings import ENV_OVERRIDES
-from dlm_triton.supervisor import Supervisor
+from dlm_triton.launch.runtime_info import model_info
+from dlm_triton.launch.server_dist import ServerDist, find_server
+from dlm_triton.launch.supervisor import Supervisor
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -69,7 +69,7 @@ DEFAULT_MODEL = "tiny-dlm"
 # see embedded_companions), so the CLI works the same before an asset has landed.
 EMBEDDED_COMPANIONS = ("tiny-sdar",)
 # One environment for every model of a server: a checkpoint override there reaches them all.
-SHARED_CHECKPOINT_VAR = ENV_OVERRIDES["checkpoint"]
+SHARED_CHECKPOINT_VAR = settings.BY_NAME["model"].env
 PROXY_DRAIN_S = float(os.environ.get("DLM_PROXY_STOP_TIMEOUT", "30"))  # proxy drains, then SIGKILL
 
 
@@ -221,7 +221,7 @@ class TritonServerProcess:
         self.stop_timeout_s = exit_timeout_s + 10.0  # Triton's own wait, then SIGKILL
         self.gpu_metrics = self.device.startswith("cuda") if gpu_metrics is None else gpu_metrics
         self.verbose = verbose
-        # Triton's admin APIs need the key in this file (see dlm_triton/admin_key.py)
+        # Triton's admin APIs need the key in this file (see dlm_triton/launch/admin_key.py)
         self.restrict_admin = restrict_admin
         self.admin_key_file: Path | None = admin_key_file
         self.dist = dist
@@ -246,12 +246,23 @@ class TritonServerProcess:
 
     # ----------------------------------------------------------------- model choice
     def _overrides(self) -> dict[str, str]:
+        """The settings given to this launcher, by config parameter name (as text)."""
         params = dict(self.engine_params)
         if self.dtype:
             params["dtype"] = self.dtype
         if self.quantization:
             params["quantization"] = self.quantization
         params["device"] = self.device
+        unknown = sorted(set(params) - set(settings.BY_PARAM))
+        if unknown:
+            raise ValueError(
+                f"no server setting named {', '.join(unknown)} "
+                f"(known: {', '.join(sorted(settings.BY_PARAM))})"
+            )
+        for key, value in params.items():  # a bad value is refused here, named, not at load
+            setting = settings.BY_PARAM[key]
+            params[key] = value if isinstance(value, str) else setting.text(value)
+            setting.parse(params[key])
         return params
 
     def _choose_model(self) -> ModelChoice:
@@ -274,11 +285,10 @@ class TritonServerProcess:
             checkpoint = str(path.resolve()) if is_dir else target
             base = path.resolve().name if is_dir else target.replace(":", "-").rsplit("/", 1)[-1]
             name = self.requested_name or model_repo.sanitize_name(base)
+            overrides = self._overrides()
+            checkpoint = overrides.pop("checkpoint", checkpoint)
+            spec = model_repo.ModelSpec(name, checkpoint, **overrides)
             runtime = Path(tempfile.mkdtemp(prefix="dlm-triton-repo-"))
-            spec = model_repo.ModelSpec(name, checkpoint)
-            params = spec.parameters(self.device)
-            params.update(self._overrides())
-            spec = model_repo.ModelSpec(name, params.pop("checkpoint"), extra=params)
             model_repo.write_model(runtime, spec)
             return ModelChoice(runtime, name, {}, runtime_dir=runtime)
         if not (repo / target / "config.pbtxt").exists():
@@ -287,7 +297,7 @@ class TritonServerProcess:
                 f"--model {target!r} is neither a checkpoint directory (with config.json), "
                 f"a hub id, nor a model in {repo} ({', '.join(known)})"
             )
-        env = {f"DLM_{k.upper()}": v for k, v in self._overrides().items()}
+        env = {settings.BY_PARAM[k].env: v for k, v in self._overrides().items()}
         choice = ModelChoice(repo, target, env)
         if self.also:
             choice.also = self._check_also(choice)

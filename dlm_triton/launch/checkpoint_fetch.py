@@ -15,15 +15,18 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from dlm_triton import model_repo
-from dlm_triton.settings import ENV_OVERRIDES, resolve_checkpoint
+from dlm_protocol.settings import BY_NAME, resolve_checkpoint
+from dlm_triton.launch import model_repo
+
+CHECKPOINT_VAR = BY_NAME["model"].env
+REVISION_VAR = BY_NAME["revision"].env
 
 
 def served_checkpoint(config: Path, environ: Mapping[str, str]) -> tuple[str | None, str | None]:
     """(checkpoint, revision) the model of ``config`` will load under ``environ``."""
     params = model_repo.read_parameters(config) if config.exists() else {}
-    checkpoint = environ.get(ENV_OVERRIDES["checkpoint"]) or params.get("checkpoint") or None
-    revision = environ.get(ENV_OVERRIDES["revision"]) or params.get("revision") or None
+    checkpoint = environ.get(CHECKPOINT_VAR) or params.get("checkpoint") or None
+    revision = environ.get(REVISION_VAR) or params.get("revision") or None
     if checkpoint is not None:
         checkpoint = resolve_checkpoint(checkpoint, config.parent)  # paths, embedded assets
     return checkpoint, revision
@@ -46,4 +49,4 @@ def fetch_checkpoint(
     print(f"fetching {checkpoint} (revision {revision or 'main'}) ...", file=sys.stderr)
     folder = fetch(checkpoint, revision, environ=environ)
     print(f"checkpoint {checkpoint}: {folder}", file=sys.stderr)
-    return {ENV_OVERRIDES["checkpoint"]: str(folder)}
+    return {CHECKPOINT_VAR: str(folder)}

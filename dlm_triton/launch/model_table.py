@@ -15,9 +15,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from .model_repo import COMMITTED_REPOSITORY, MODELS, read_parameters
+from dlm_protocol.settings import ASSETS_DIR as ASSETS
 
-ASSETS = Path(__file__).resolve().parent.parent / "dlm_engine" / "assets"
+from .model_repo import COMMITTED_REPOSITORY, MODELS, read_parameters
 
 # Published architecture (a `dlm_engine/presets.py` name) of each Hub checkpoint the committed
 # repository names; a new model_repository/ entry without one fails the docs test.
@@ -73,7 +73,7 @@ def architecture(checkpoint: str) -> dict[str, Any]:
     if checkpoint not in HUB_ARCHITECTURES:
         raise KeyError(
             f"no architecture known for {checkpoint!r}: add it to HUB_ARCHITECTURES "
-            "(dlm_triton/model_table.py)"
+            "(dlm_triton/launch/model_table.py)"
         )
     presets = _load_presets()
     return dict(presets[HUB_ARCHITECTURES[checkpoint]])
