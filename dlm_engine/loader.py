@@ -19,6 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from .decoding.checkpoint_defaults import decoding_defaults
 from .fp8_checkpoint import fp8_format, install_fp8_layers
+from .gptq_checkpoint import install_int4_layers, int4_format
 from .hub import resolve_checkpoint, weight_files
 from .models import LLADA, Family, build_model, detect_family
 from .models.diffusion_gemma import drop_unused
@@ -108,13 +109,14 @@ def _read_state(path: Path, device: torch.device, dtype: torch.dtype) -> dict[st
 
 def _takes_model_dtype(name: str, t: torch.Tensor) -> bool:
     """Floating tensors are cast to the model dtype, except FP8 weights and their float32
-    scales, which a published FP8 checkpoint keeps as stored (`fp8_checkpoint.py`)."""
+    scales, which a published FP8 checkpoint keeps as stored (`fp8_checkpoint.py`), and the
+    float16 group scales of a GPTQ/AWQ checkpoint (`gptq_checkpoint.py`)."""
     if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return False
     return t.is_floating_point() and not name.endswith(_FP8_SCALE_SUFFIXES)
 
 
-_FP8_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
+_FP8_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".scales")
 
 
 # Mask ids the published code hard-codes, for a checkpoint whose config and tokenizer name
@@ -238,7 +240,14 @@ def load_checkpoint(
         state = weights(model, path, config, family, dev, torch_dtype)
     else:
         state = _read_state(path, dev, torch_dtype)
-    fp8 = fp8_format(config)
+    int4 = int4_format(config)
+    fp8 = None if int4 is not None else fp8_format(config)
+    if int4 is not None:
+        if quantization not in (None, "int4"):
+            raise ValueError(
+                f"a 4-bit checkpoint cannot be loaded with quantization={quantization}"
+            )
+        install_int4_layers(model, state, int4, torch_dtype)
     if fp8 is not None:
         if quantization not in (None, "fp8"):
             raise ValueError(f"an FP8 checkpoint cannot be loaded with quantization={quantization}")

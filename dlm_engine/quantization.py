@@ -2,6 +2,9 @@
 
 `fp8`: e4m3 weights with per-channel scales and per-token activation scales (`fp8.py`); native
 FP8 products on Ada/Hopper GPUs, dequantized elsewhere, the MoE experts included.
+`int4`: 4-bit integer weights in groups of 128 with 16-bit activations (`int4.py`): Triton
+kernels on CUDA (a quarter of bf16's weight bytes), dequantized elsewhere; the MoE experts stay
+in the model dtype. The fast 4-bit path; GPTQ/AWQ checkpoints load into the same layers.
 `int8` (LLM.int8) and `nf4`: bitsandbytes weight-only layers, CUDA only.
 Each replaces the `nn.Linear` layers inside the blocks (fused or not); the embeddings and the
 output head stay in the model dtype, as is usual for these schemes.
@@ -12,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-SUPPORTED = ("fp8", "int8", "nf4")
+SUPPORTED = ("fp8", "int4", "int8", "nf4")
 
 
 def _output_head(model: nn.Module) -> nn.Module | None:
@@ -30,6 +33,10 @@ def quantize_linears(model: nn.Module, scheme: str, device: torch.device) -> int
         from .fp8 import quantize_fp8
 
         return quantize_fp8(model, _output_head(model))
+    if scheme == "int4":
+        from .int4 import quantize_int4
+
+        return quantize_int4(model, _output_head(model))
     if device.type != "cuda":
         raise ValueError("bitsandbytes quantization needs a CUDA device")
     import bitsandbytes as bnb  # heavy and GPU-only: imported only when asked for
@@ -75,6 +82,6 @@ def quantize_linears(model: nn.Module, scheme: str, device: torch.device) -> int
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes the model's weights take on their device (quantized layers keep theirs in
-    buffers: e4m3 values and scales), for the ready line and `dlm_model_info`."""
+    buffers: e4m3 or packed int4 values and scales), for the ready line and `dlm_model_info`."""
     tensors = list(model.parameters()) + list(model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,200 @@
+"""Triton kernels for int4 weights (`int4.Int4Linear`), dispatched by the token rows M.
+
+Two products, chosen per M by `DISPATCH`:
+- fused: each tile of int4 weights is expanded to the activations' dtype in registers and fed
+  to the tensor cores, so the weights are read from memory at a quarter of bf16's bytes (the
+  win while M is small and a product is a read of the weights);
+- dequantize, then cuBLAS: the whole weight expanded once into a scratch matrix and multiplied
+  by cuBLAS, for large M where the product is bound by the tensor cores and cuBLAS's tiles beat
+  the fused kernel's.
+The table is what `benchmarks/gpu_check_int4.py` measured fastest on an H100 over the
+LLaDA-8B-sized layers; that script's sweep prints the table for another GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One launch configuration of the fused kernel."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1  # programs sharing one output tile along K (small M: more programs)
+    warps: int = 4
+    stages: int = 3
+
+
+# (largest M, tile; None: dequantize then cuBLAS), the first entry whose bound holds wins
+DISPATCH: list[tuple[int, Tile | None]] = [
+    (16, Tile(16, 64, 128, split_k=4, warps=4, stages=4)),
+    (64, Tile(32, 128, 128, warps=4, stages=4)),
+    (256, Tile(64, 128, 64, warps=4, stages=4)),
+    (1 << 62, None),
+]
+
+
+def choose(m: int) -> Tile | None:
+    for bound, tile in DISPATCH:
+        if m <= bound:
+            return tile
+    return None
+
+
+@triton.jit
+def _w4a16(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_qk,
+    stride_sg,
+    stride_ym,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    grid_m = tl.cdiv(M, BLOCK_M)
+    pid = tl.program_id(0)
+    pid_m = pid % grid_m  # neighbouring programs share a weight tile: read once, then cached
+    pid_n = pid // grid_m
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    q_ptrs = qw_ptr + (offs_k[:, None] // 8) * stride_qk + offs_n[None, :]
+    shifts = (offs_k[:, None] % 8) * 4
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_len = K // SPLIT_K
+    k_start = pid_k * k_len
+    for k0 in range(k_start, k_start + k_len, BLOCK_K):
+        a = tl.load(x_ptrs + k0, mask=mask_m[:, None], other=0.0)
+        packed = tl.load(q_ptrs + (k0 // 8) * stride_qk, mask=mask_n[None, :], other=0)
+        g = k0 // GROUP  # a K block never straddles two groups
+        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0).to(tl.float32)
+        q = ((packed >> shifts) & 0xF).to(tl.float32)
+        w = ((q - z[None, :]) * s[None, :]).to(a.dtype)
+        acc += tl.dot(a, w)
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(y_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _dequantize(
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    w_ptr,
+    N,
+    K,
+    stride_qk,
+    stride_sg,
+    stride_wk,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+    packed = tl.load(qw_ptr + (offs_k[:, None] // 8) * stride_qk + offs_n[None, :], mask=mask)
+    q = ((packed >> ((offs_k[:, None] % 8) * 4)) & 0xF).to(tl.float32)
+    sg = (offs_k[:, None] // GROUP) * stride_sg + offs_n[None, :]
+    s = tl.load(s_ptr + sg, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + sg, mask=mask, other=0).to(tl.float32)
+    w = (q - z) * s
+    tl.store(
+        w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :], w.to(w_ptr.dtype.element_ty), mask
+    )
+
+
+def dequantize(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The weight [K, N] in `dtype` (the layer's stored input order)."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    w = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    grid = (triton.cdiv(k, 64), triton.cdiv(n, 128))
+    _dequantize[grid](
+        qweight, scales, zeros, w, n, k, qweight.stride(0), scales.stride(0), w.stride(0),
+        GROUP=group, BLOCK_K=64, BLOCK_N=128,
+    )  # fmt: skip
+    return w
+
+
+def _block_k(tile: Tile, k: int, group: int) -> int:
+    """The tile's K step, shrunk until it divides both the group and K."""
+    bk = min(tile.block_k, group)
+    while bk > 16 and (group % bk or k % bk):
+        bk //= 2
+    return bk
+
+
+def fused(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group: int,
+    tile: Tile,
+) -> torch.Tensor:
+    """x [M, K] times the int4 weight through the fused kernel with `tile`."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    x = x.contiguous()
+    bk = _block_k(tile, k, group)
+    split = tile.split_k
+    while split > 1 and k % (bk * split):
+        split //= 2
+    if split == 1:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n), split)
+    _w4a16[grid](
+        x, qweight, scales, zeros, y, m, n, k,
+        x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+        GROUP=group, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=bk, SPLIT_K=split,
+        num_warps=tile.warps, num_stages=tile.stages,
+    )  # fmt: skip
+    return y if split == 1 else y.to(x.dtype)
+
+
+def matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group: int,
+) -> torch.Tensor:
+    """x [M, K] (16-bit, the stored input order) times the int4 weight: [M, N]."""
+    tile = choose(x.shape[0])
+    if tile is None:
+        return x @ dequantize(qweight, scales, zeros, group, x.dtype)
+    return fused(x, qweight, scales, zeros, group, tile)
