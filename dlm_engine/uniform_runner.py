@@ -73,6 +73,7 @@ class UniformRunner:
                 stop_ids=self.stops,
                 logprobs=seq.params.logprobs,
                 constraint=constraint,
+                logit_bias=seq.params.logit_bias,
             )
         return row
 

@@ -6,6 +6,11 @@ row's window in every step, before temperature, top-p / top-k, EOS suppression, 
 and the commit rule read them. The rows of a step that carry biases are scattered in at once
 from (row, token, bias) index tensors staged while the forward runs (no host wait); a step
 without biased rows does nothing.
+
+DiffusionGemma's sampler adds them at the same point: to each step's logits over the canvas,
+before its temperature schedule, sampling, entropy-bound acceptance, adaptive stopping,
+self-conditioning and the constrained walk (as a `logits_processor` given to transformers'
+`generate` would); its logprobs too stay the model's own distribution.
 """
 
 from __future__ import annotations
@@ -41,11 +46,17 @@ class LogitBiasStep:
     @classmethod
     def build(cls, seqs: list[Sequence], device: torch.device) -> LogitBiasStep | None:
         """None when no row of the step has a bias."""
+        return cls.of_rows([s.params.logit_bias for s in seqs], device)
+
+    @classmethod
+    def of_rows(cls, biases: list[Biases | None], device: torch.device) -> LogitBiasStep | None:
+        """The step of rows with these biases (row i: `biases[i]`); None when none has one.
+        DiffusionGemma rows stage theirs once, as a step of one row (uniform_diffusion.py)."""
         rows: list[int] = []
         tokens: list[int] = []
         values: list[float] = []
-        for i, s in enumerate(seqs):
-            for token, bias in s.params.logit_bias or ():
+        for i, row_biases in enumerate(biases):
+            for token, bias in row_biases or ():
                 rows.append(i)
                 tokens.append(token)
                 values.append(bias)

@@ -17,7 +17,9 @@ step one `multinomial` over the canvas and one `randint` for renoising (also on 
 ends the canvas). So a row's tokens do not depend on what else runs in its batch.
 
 A row with structured output (`uniform_constraints.py`) returns, instead of its argmax canvas,
-the grammar-constrained argmax of the same last-step logits; its draws are unchanged.
+the grammar-constrained argmax of the same last-step logits; its draws are unchanged. A row
+with `logit_bias` adds it to each step's logits before anything reads them, as a
+`logits_processor` given to transformers' `generate` does (`logit_bias.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..models.diffusion_gemma import DiffusionGemmaModel, RowCache
+from .logit_bias import Biases, LogitBiasStep
 from .logprobs import TokenLogprob
 
 if TYPE_CHECKING:
@@ -85,8 +88,12 @@ class UniformRow:
         stop_ids: torch.Tensor,
         logprobs: int | None = None,
         constraint: CanvasConstraint | None = None,
+        logit_bias: Biases | None = None,
     ) -> None:
         self.settings = settings
+        # OpenAI's logit_bias, staged once: added to every step's logits before anything
+        # reads them (decoding/logit_bias.py)
+        self.bias = LogitBiasStep.of_rows([logit_bias], prompt.device)
         self.constraint = constraint  # structured output: the returned canvas is constrained
         self.failure: str | None = None  # set when the constraint failed (the row ends)
         self.logprobs = logprobs  # alternatives per token; None: record no logprobs
@@ -108,7 +115,8 @@ class UniformRow:
         self.canvases_done = 0
         self.forwards = 0
         self.done = False
-        self.last_logits: torch.Tensor | None = None  # the canvas's last step (logprobs)
+        self.last_logits: torch.Tensor | None = None  # the canvas's last step (the walk)
+        self.model_logits: torch.Tensor | None = None  # the same without logit_bias (logprobs)
         self.canvas_logprobs: list[TokenLogprob] = []  # the finished canvas's, if asked
 
     def _random_canvas(self) -> torch.Tensor:
@@ -134,7 +142,12 @@ class UniformRow:
     def absorb(self, logits: torch.Tensor, dtype: torch.dtype) -> list[int] | None:
         """One step's logits [1, L, V] -> the finished canvas's tokens, or None if it goes on."""
         s = self.settings
-        processed = logits / temperature(s, self.remaining, logits.device)
+        temp = temperature(s, self.remaining, logits.device)
+        if self.bias is not None:
+            if self.logprobs is not None:  # logprobs read the model's own distribution
+                self.model_logits = logits / temp
+            self.bias.apply(logits)  # in place: this row's slice of the step's logits
+        processed = logits / temp
         probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
         sampled = torch.multinomial(
             probs.view(-1, self.vocab_size), num_samples=1, generator=self.generator
@@ -175,8 +188,9 @@ class UniformRow:
             canvas, self.failure = walked.tokens[None], walked.failure
             self.done |= walked.failure is not None
         if self.logprobs is not None:
+            model = self.model_logits if self.model_logits is not None else self.last_logits
             self.canvas_logprobs = canvas_logprobs(
-                self.last_logits[0], canvas[0], self.logprobs, self.forwards
+                model[0], canvas[0], self.logprobs, self.forwards
             )
         self.canvases_done += 1
         self.to_encode = canvas[0]

@@ -23,6 +23,7 @@ BUILT_IN = {
 # request keys a DiffusionGemma request may set (besides these, only their defaults pass)
 ACCEPTED = frozenset(
     ("max_tokens", "steps", "threshold", "seed", "stop", "stream_mode", "priority", "logprobs")
+    + ("logit_bias",)  # added to each step's logits (uniform_diffusion.py, logit_bias.py)
     + UNIFORM_KEYS
     + ("tools", "tool_choice", "parallel_tool_calls")
     + CONSTRAINT_KEYS  # structured output: each finished canvas constrained (uniform_constraints)
