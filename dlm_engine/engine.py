@@ -398,7 +398,9 @@ class Engine:
 
     def _canvas_strings(self, seq: Sequence) -> list[str | None]:
         tok = self.tokenizer
-        return [None if t == seq.mask_id else tok.decode([t]) for t in seq.canvas]
+        # DiffusionGemma has no masks: its canvas in progress is shown, renoised tokens included
+        canvas = self.runner.shown_canvas(seq) if self.family.uniform_diffusion else seq.canvas
+        return [None if t == seq.mask_id else tok.decode([t]) for t in canvas]
 
     # ---- scoring ------------------------------------------------------------------------
     def _score_job(

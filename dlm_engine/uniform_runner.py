@@ -53,6 +53,19 @@ class UniformRunner:
     def release(self, request_id: str) -> None:
         self.rows.pop(request_id, None)
 
+    def shown_canvas(self, seq: Sequence) -> list[int]:
+        """`stream_mode: denoise`'s canvas: the finished canvases and, while a canvas is being
+        denoised, its tokens after this step (accepted and renoised alike, as the next step
+        reads them); positions of canvases not begun are -1 (shown as null)."""
+        canvas = list(seq.canvas)
+        row = self.rows.get(seq.request_id)
+        if row is None or row.done or row.current is None or row.to_encode is not None:
+            return canvas  # no canvas in progress (none begun, or the last one just ended)
+        start = row.canvases_done * self.canvas_length
+        live = row.current[0, : max(0, len(canvas) - start)].tolist()
+        canvas[start : start + len(live)] = live
+        return canvas
+
     def _row(self, seq: Sequence) -> UniformRow:
         row = self.rows.get(seq.request_id)
         if row is None:
