@@ -30,6 +30,8 @@ class Tile:
     split_k: int = 1  # programs sharing one output tile along K (small M: more programs)
     warps: int = 4
     stages: int = 3
+    a8: bool = False  # activations in e4m3 per token, FP8 tensor cores (Ada/Hopper)
+    compact: bool = True  # load each int32 once and unpack in registers (else once a nibble)
 
 
 # (largest M, tile; None: dequantize then cuBLAS), the first entry whose bound holds wins
@@ -48,13 +50,14 @@ def choose(m: int) -> Tile | None:
     return None
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every token count
 def _w4a16(
     x_ptr,
     qw_ptr,
     s_ptr,
     z_ptr,
     y_ptr,
+    xs_ptr,
     M,
     N,
     K,
@@ -67,6 +70,8 @@ def _w4a16(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    A8: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):
     grid_m = tl.cdiv(M, BLOCK_M)
     pid = tl.program_id(0)
@@ -79,8 +84,12 @@ def _w4a16(
     mask_m = offs_m < M
     mask_n = offs_n < N
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    q_ptrs = qw_ptr + (offs_k[:, None] // 8) * stride_qk + offs_n[None, :]
-    shifts = (offs_k[:, None] % 8) * 4
+    if COMPACT:  # [BLOCK_K / 8, BLOCK_N] words, eight nibbles each
+        q_ptrs = qw_ptr + tl.arange(0, BLOCK_K // 8)[:, None] * stride_qk + offs_n[None, :]
+        shifts = (tl.arange(0, 8) * 4)[None, :, None]
+    else:  # [BLOCK_K, BLOCK_N]: each word loaded once for each of its nibbles
+        q_ptrs = qw_ptr + (offs_k[:, None] // 8) * stride_qk + offs_n[None, :]
+        shifts = (offs_k[:, None] % 8) * 4
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_len = K // SPLIT_K
     k_start = pid_k * k_len
@@ -90,9 +99,17 @@ def _w4a16(
         g = k0 // GROUP  # a K block never straddles two groups
         s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0).to(tl.float32)
-        q = ((packed >> shifts) & 0xF).to(tl.float32)
-        w = ((q - z[None, :]) * s[None, :]).to(a.dtype)
-        acc += tl.dot(a, w)
+        if COMPACT:
+            q = tl.reshape((packed[:, None, :] >> shifts) & 0xF, (BLOCK_K, BLOCK_N))
+        else:
+            q = (packed >> shifts) & 0xF
+        q = q.to(tl.float32)
+        if A8:  # q - zero is an integer in -16..15: exact in e4m3; the group scale after
+            acc += tl.dot(a, (q - z[None, :]).to(tl.float8e4nv)) * s[None, :]
+        else:
+            acc = tl.dot(a, ((q - z[None, :]) * s[None, :]).to(a.dtype), acc)
+    if A8:
+        acc *= tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
@@ -167,23 +184,29 @@ def fused(
     """x [M, K] times the int4 weight through the fused kernel with `tile`."""
     m, k = x.shape
     n = qweight.shape[1]
+    out_dtype = x.dtype
     x = x.contiguous()
+    xs = x  # per-token scales of the e4m3 activations (unused in 16 bits)
+    if tile.a8:
+        from .fp8 import quantize_tokens
+
+        x, xs = quantize_tokens(x)
     bk = _block_k(tile, k, group)
     split = tile.split_k
     while split > 1 and k % (bk * split):
         split //= 2
     if split == 1:
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     else:
         y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n), split)
     _w4a16[grid](
-        x, qweight, scales, zeros, y, m, n, k,
+        x, qweight, scales, zeros, y, xs, m, n, k,
         x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
         GROUP=group, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=bk, SPLIT_K=split,
-        num_warps=tile.warps, num_stages=tile.stages,
+        A8=tile.a8, COMPACT=tile.compact, num_warps=tile.warps, num_stages=tile.stages,
     )  # fmt: skip
-    return y if split == 1 else y.to(x.dtype)
+    return y if split == 1 else y.to(out_dtype)
 
 
 def matmul(
