@@ -119,11 +119,6 @@ def _takes_model_dtype(name: str, t: torch.Tensor) -> bool:
 _FP8_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".scales")
 
 
-# Mask ids the published code hard-codes, for a checkpoint whose config and tokenizer name
-# none: LLaDA2's `generate(mask_id=156895)`, SDAR's config `mask_token_id`.
-PUBLISHED_MASK_IDS = {"llada2": 156895, "sdar": 151669}
-
-
 def _special_ids(
     family: Family, config: dict[str, Any], gen: dict[str, Any], tok: PreTrainedTokenizerBase
 ) -> tuple[int, int, frozenset[int]]:
@@ -133,7 +128,7 @@ def _special_ids(
         mask_id = -1
     if mask_id is None:
         mask_id = vocab.get(family.mask_token)
-    published = PUBLISHED_MASK_IDS.get(family.name)
+    published = family.published_mask_id  # the id the published code hard-codes
     if mask_id is None and published is not None and published < int(config.get("vocab_size", 0)):
         mask_id = published
     if mask_id is None:
@@ -281,6 +276,6 @@ def load_checkpoint(
         torch_dtype,
         dev,
         path,
-        decoding_defaults(path, family.name, config, gen),
+        decoding_defaults(path, family, config, gen),
         dtype_reason,
     )

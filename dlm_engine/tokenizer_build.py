@@ -11,7 +11,9 @@ published checkpoints. Saved as `tokenizer.json` +
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -107,51 +109,50 @@ LLADA2_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<role>ASSISTANT</role>{% endif %}"
 )
 
-_SPECIALS = {
-    "llada": LLADA_SPECIALS,
-    "dream": DREAM_SPECIALS,
-    "sdar": SDAR_SPECIALS,
-    "llada2": LLADA2_SPECIALS,
-}
 
+@dataclass(frozen=True)
+class CharTokenizer:
+    """A family's character tokenizer: its special tokens (in id order), mask and bos tokens,
+    and chat template. Each family names its own (`models/<family>.py`)."""
 
-def _tokenizer_config(family: str) -> dict:
-    """tokenizer_config.json of `family` (key order kept: the files stay byte-identical)."""
-    if family == "llada":
+    specials: tuple[str, ...]
+    mask_token: str
+    chat_template: str
+    bos_token: str | None = None
+
+    def config(self) -> dict:
+        """tokenizer_config.json (key order kept: the files stay byte-identical)."""
         return {
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": "<|startoftext|>",
+            "bos_token": self.bos_token,
             "eos_token": "<|endoftext|>",
             "pad_token": "<|endoftext|>",
-            "mask_token": "<|mdm_mask|>",
+            "mask_token": self.mask_token,
             "unk_token": "<unk>",
-            "chat_template": LLADA_CHAT_TEMPLATE,
+            "chat_template": self.chat_template,
             "model_max_length": 4096,
         }
-    if family == "sdar":
-        mask, template, bos = "<|MASK|>", SDAR_CHAT_TEMPLATE, None
-    elif family == "llada2":
-        mask, template, bos = "<|mask|>", LLADA2_CHAT_TEMPLATE, "<|startoftext|>"
-    else:
-        mask, template, bos = "<|mask|>", DREAM_CHAT_TEMPLATE, None
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": bos,
-        "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>",
-        "mask_token": mask,
-        "unk_token": "<unk>",
-        "chat_template": template,
-        "model_max_length": 4096,
-    }
 
 
-def build_char_tokenizer(out_dir: str | Path, family: str) -> dict[str, int]:
-    """Write the tokenizer files for `family` ("llada" | "dream" | "sdar" | "llada2"); return
-    special token ids. Any other name gets Dream's tokenizer, as before."""
+LLADA_TOKENIZER = CharTokenizer(
+    tuple(LLADA_SPECIALS), "<|mdm_mask|>", LLADA_CHAT_TEMPLATE, "<|startoftext|>"
+)
+DREAM_TOKENIZER = CharTokenizer(tuple(DREAM_SPECIALS), "<|mask|>", DREAM_CHAT_TEMPLATE)
+SDAR_TOKENIZER = CharTokenizer(tuple(SDAR_SPECIALS), "<|MASK|>", SDAR_CHAT_TEMPLATE)
+LLADA2_TOKENIZER = CharTokenizer(
+    tuple(LLADA2_SPECIALS), "<|mask|>", LLADA2_CHAT_TEMPLATE, "<|startoftext|>"
+)
+
+
+def build_char_tokenizer(out_dir: str | Path, family: Any) -> dict[str, int]:
+    """Write the character tokenizer of `family` (a `models.Family` or its name); return
+    special token ids. A family with no tokenizer of its own gets Dream's."""
+    from .models import family_of  # the families name their tokenizers
+
+    spec = family_of(family).char_tokenizer or DREAM_TOKENIZER
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    specials = _SPECIALS.get(family, DREAM_SPECIALS)
+    specials = list(spec.specials)
     vocab = {c: i for i, c in enumerate(CHARS)}
     vocab["<unk>"] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -160,7 +161,7 @@ def build_char_tokenizer(out_dir: str | Path, family: str) -> dict[str, int]:
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     tok.save(str(out / "tokenizer.json"))
     ids = {s: tok.token_to_id(s) for s in specials}
-    cfg = _tokenizer_config(family)
+    cfg = spec.config()
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
     (out / "special_tokens_map.json").write_text(
         json.dumps({k: v for k, v in cfg.items() if k.endswith("_token") and v}, indent=2)

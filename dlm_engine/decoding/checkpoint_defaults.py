@@ -25,12 +25,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-D3LLM_DEFAULTS: dict[str, dict[str, Any]] = {
-    # chat/chat_d3llm_llada.py, eval_scripts/llada_gsm8k_cot.sh, README (SGLang, tau 0.5)
-    "llada": {"multi_block": True, "algorithm": "entropy_threshold", "threshold": 0.5},
-    # eval_scripts/dream_gsm8k_cot.sh, README (SGLang, tau 0.4)
-    "dream": {"multi_block": True, "algorithm": "entropy_threshold", "threshold": 0.4},
-}
+from ..models import Family, family_of
+
 _SHARED = {"block_add_threshold": 0.1, "decoded_token_threshold": 0.95, "early_stop": True}
 _GEN_KEYS = {
     "threshold": "threshold",
@@ -55,45 +51,43 @@ def is_d3llm(path: Path, config: dict[str, Any]) -> bool:
 
 
 def decoding_defaults(
-    path: Path, family: str, config: dict[str, Any], gen: dict[str, Any]
+    path: Path, family: Family | str, config: dict[str, Any], gen: dict[str, Any]
 ) -> dict[str, Any]:
     """Request-key defaults this checkpoint asks for ({} for plain LLaDA / Dream)."""
-    if family == "diffusion_gemma":  # its sampler's keys (decoding/uniform_params.py)
-        from .uniform_params import uniform_defaults
-
-        return uniform_defaults(gen)
+    family = family_of(family)
+    if family.checkpoint_defaults is not None:  # a family reading its own sampler's keys
+        return family.checkpoint_defaults(gen)
     out: dict[str, Any] = {}
     for key, name in _GEN_KEYS.items():
         if gen.get(key) is not None:
             out[name] = gen[key]
     if gen.get("alg") == "entropy_threshold":
         out["algorithm"] = "entropy_threshold"
-    if is_d3llm(path, config):
-        for key, value in {**D3LLM_DEFAULTS[family], **_SHARED}.items():
+    if family.d3llm_defaults is not None and is_d3llm(path, config):
+        for key, value in {**family.d3llm_defaults, **_SHARED}.items():
             out.setdefault(key, value)
     return out
 
 
-def write_d3llm_card(out: Path, family: str) -> None:
+def write_d3llm_card(out: Path, family: Family | str) -> None:
     """The model card front matter as d3LLM publishes it (for test checkpoints)."""
-    base = "LLaDA" if family == "llada" else "Dream"
+    family = family_of(family)
     (out / "README.md").write_text(
         "---\nlicense: apache-2.0\npipeline_tag: text-generation\ntags:\n- diffusion\n"
-        f"- fast-inference\n- d3llm\n- {family}\n---\n# d3LLM-{base}\n",
+        f"- fast-inference\n- d3llm\n- {family.name}\n---\n# d3LLM-{family.label}\n",
     )
 
 
 # ---- max_tokens when a request names none: the generation length each family publishes ----
 # LLaDA chat.py: gen_length 128; Dream's README: max_new_tokens 512 (its generation_config.json
 # holds steps 512, no length); SDAR generate.py: gen_length 128; LLaDA2.0's model card:
-# gen_length 512. A checkpoint's own generation_config.json (`max_new_tokens`, or LLaDA's
-# `gen_length` name) wins; the embedded tiny models carry 64 there.
-GENERATION_LENGTHS = {"llada": 128, "dream": 512, "sdar": 128, "llada2": 512}
-FALLBACK_GENERATION_LENGTH = 128
+# gen_length 512 (each family's `Family.generation_length`). A checkpoint's own
+# generation_config.json (`max_new_tokens`, or LLaDA's `gen_length` name) wins; the embedded
+# tiny models carry 64 there.
 _LENGTH_KEYS = ("max_new_tokens", "gen_length")
 
 
-def generation_length(path: Path, family: str) -> int:
+def generation_length(path: Path, family: Family | str) -> int:
     """The checkpoint's published answer length: its generation config's, else its family's."""
     gen_file = Path(path) / "generation_config.json"
     try:
@@ -104,4 +98,4 @@ def generation_length(path: Path, family: str) -> int:
         value = gen.get(key) if isinstance(gen, dict) else None
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
-    return GENERATION_LENGTHS.get(family, FALLBACK_GENERATION_LENGTH)
+    return family_of(family).generation_length

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .family import Family
+
 log = logging.getLogger(__name__)
 
 ARCHITECTURE = "DiffusionGemmaForBlockDiffusion"
@@ -519,3 +521,25 @@ __all__ = [
     "inv_frequencies",
     "is_diffusion_gemma",
 ]
+
+
+def _uniform_defaults(gen: dict[str, Any]) -> dict[str, Any]:
+    from ..decoding.uniform_params import uniform_defaults  # its sampler's keys
+
+    return uniform_defaults(gen)
+
+
+# DiffusionGemma: uniform-state diffusion over canvases (decoding/uniform_diffusion.py);
+# Gemma's tokenizer, turns end with <end_of_turn>.
+FAMILY = Family(
+    name="diffusion_gemma",
+    label="DiffusionGemma",
+    detect=is_diffusion_gemma,
+    build=lambda config: DiffusionGemmaModel(DiffusionGemmaArch.from_config(config)),
+    default_algorithm="uniform",
+    uses_blocks_by_default=False,
+    mask_token="",
+    end_of_turn_tokens=("<end_of_turn>", "<turn|>"),
+    uniform_diffusion=True,
+    checkpoint_defaults=_uniform_defaults,
+)

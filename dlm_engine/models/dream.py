@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..tokenizer_build import DREAM_TOKENIZER
 from .common import (
     BidirectionalLM,
     ForwardBatch,
@@ -23,6 +24,7 @@ from .common import (
     fuse_gate_up,
     gated_mlp,
 )
+from .family import D3LLMLoop, Family
 
 
 @dataclass(frozen=True)
@@ -151,3 +153,33 @@ class DreamModel(QwenLayoutLM):
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.head_dim = arch.hidden_size // arch.num_attention_heads
         self.rope_theta = arch.rope_theta
+
+
+def _is_dream(config: dict[str, Any]) -> bool:
+    archs = [str(a).lower() for a in config.get("architectures") or []]
+    return str(config.get("model_type", "")).lower() == "dream" or any(
+        a.startswith("dream") for a in archs
+    )
+
+
+# Dream: Qwen2 tokenizer, logits shifted by one; Dream's own schedule and `origin` sampler;
+# d3LLM's Dream loops compare entropies strictly, single-block in the logits' dtype.
+FAMILY = Family(
+    name="dream",
+    label="Dream",
+    detect=_is_dream,
+    build=lambda config: DreamModel(DreamArch.from_config(config)),
+    default_algorithm="entropy",
+    uses_blocks_by_default=False,
+    mask_token="<|mask|>",
+    end_of_turn_tokens=("<|im_end|>", "<|endoftext|>"),
+    generation_length=512,  # Dream's README: max_new_tokens 512
+    char_tokenizer=DREAM_TOKENIZER,
+    own_algorithms=frozenset({"origin"}),
+    linear_schedule=False,
+    d3llm_loop=D3LLMLoop(
+        strict=True, single_block_f64=False, multi_block_keeps_best=False, cache_walk_stops=False
+    ),
+    # eval_scripts/dream_gsm8k_cot.sh, README (SGLang, tau 0.4)
+    d3llm_defaults={"multi_block": True, "algorithm": "entropy_threshold", "threshold": 0.4},
+)

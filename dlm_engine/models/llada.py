@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..tokenizer_build import LLADA_TOKENIZER
 from .common import (
     BidirectionalLM,
     ForwardBatch,
@@ -23,6 +24,7 @@ from .common import (
     fuse_gate_up,
     gated_mlp,
 )
+from .family import Family
 
 
 @dataclass(frozen=True)
@@ -151,3 +153,31 @@ class LLaDAModel(BidirectionalLM):
         if self.arch.weight_tying:
             return F.linear(h, tr.wte.weight)
         return tr.ff_out(h)
+
+
+def _is_llada(config: dict[str, Any]) -> bool:
+    archs = [str(a).lower() for a in config.get("architectures") or []]
+    return str(config.get("model_type", "")).lower() == "llada" or any(
+        a.startswith("llada") for a in archs
+    )
+
+
+# LLaDA: Llama-3 style tokenizer, no logits shift; its published rules are the step schedule's
+# low_confidence / random, plus Fast-dLLM's factor and dlmserve's LocalLeap (LLaDA only).
+FAMILY = Family(
+    name="llada",
+    label="LLaDA",
+    detect=_is_llada,
+    build=lambda config: LLaDAModel(LLaDAArch.from_config(config)),
+    default_algorithm="low_confidence",
+    uses_blocks_by_default=True,
+    mask_token="<|mdm_mask|>",
+    end_of_turn_tokens=("<|eot_id|>", "<|endoftext|>"),
+    generation_length=128,  # LLaDA chat.py: gen_length 128
+    char_tokenizer=LLADA_TOKENIZER,
+    own_algorithms=frozenset({"local_leap", "factor"}),
+    supports_cfg=True,
+    gumbel_proposals=True,
+    # chat/chat_d3llm_llada.py, eval_scripts/llada_gsm8k_cot.sh, README (SGLang, tau 0.5)
+    d3llm_defaults={"multi_block": True, "algorithm": "entropy_threshold", "threshold": 0.5},
+)

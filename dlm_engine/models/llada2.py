@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..tokenizer_build import LLADA2_TOKENIZER
 from .common import (
     BidirectionalLM,
     ForwardBatch,
@@ -32,6 +33,7 @@ from .common import (
     gated_mlp,
     rope_tables,
 )
+from .family import Family
 from .moe import route, run_experts
 
 
@@ -310,3 +312,30 @@ class LLaDA2Model(BidirectionalLM):
         if self.arch.tie_word_embeddings:
             return F.linear(h, self.model.word_embeddings.weight)
         return self.lm_head(h)
+
+
+def _is_llada2(config: dict[str, Any]) -> bool:
+    archs = [str(a).lower() for a in config.get("architectures") or []]
+    return str(config.get("model_type", "")).lower() == "llada2_moe" or "llada2moemodellm" in archs
+
+
+# LLaDA2: Ling 2.0 tokenizer, `<role>HUMAN</role>...<|role_end|>` turns; blocks of 32 with
+# confidence-threshold decoding (0.95), as the published `generate()` does, which also caps
+# steps at gen_length // minimal_topk; Diffulex's LLaDA2 sampler takes accept_threshold 0.9.
+FAMILY = Family(
+    name="llada2",
+    label="LLaDA2",
+    detect=_is_llada2,
+    build=lambda config: LLaDA2Model(LLaDA2Arch.from_config(config)),
+    default_algorithm="threshold",
+    uses_blocks_by_default=True,
+    mask_token="<|mask|>",
+    end_of_turn_tokens=("<|role_end|>", "<|endoftext|>"),
+    block_diffusion=True,
+    default_block_length=32,
+    published_mask_id=156895,  # LLaDA2's `generate(mask_id=156895)`
+    generation_length=512,  # LLaDA2.0's model card: gen_length 512
+    char_tokenizer=LLADA2_TOKENIZER,
+    default_thresholds={"low_confidence_dynamic": 0.95, "multi_bd": 0.9},
+    steps_capped_by_length=True,
+)

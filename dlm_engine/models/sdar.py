@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..tokenizer_build import SDAR_TOKENIZER
 from .common import (
     ForwardBatch,
     HeadRMSNorm,
@@ -26,6 +27,7 @@ from .common import (
     apply_rope,
 )
 from .dream import DreamMLP, QwenLayoutLM
+from .family import Family
 
 
 @dataclass(frozen=True)
@@ -130,3 +132,29 @@ class SDARModel(QwenLayoutLM):
     def block_size(self) -> int:
         """The denoising block the checkpoint was trained with (config `block_size`)."""
         return self.arch.block_size
+
+
+def _is_sdar(config: dict[str, Any]) -> bool:
+    archs = [str(a).lower() for a in config.get("architectures") or []]
+    return str(config.get("model_type", "")).lower() == "sdar" or "sdarforcausallm" in archs
+
+
+# SDAR: Qwen3 tokenizer and chat template; blocks of 4 (config `block_size`), decoded with the
+# published generate.py's default remasking strategy (confidence_threshold 0.85); Diffulex's
+# SDAR sampler compares multi_bd confidences with a fixed 0.95 (diffulex/sampler/sdar.py).
+FAMILY = Family(
+    name="sdar",
+    label="SDAR",
+    detect=_is_sdar,
+    build=lambda config: SDARModel(SDARArch.from_config(config)),
+    default_algorithm="low_confidence_dynamic",
+    uses_blocks_by_default=True,
+    mask_token="<|MASK|>",
+    end_of_turn_tokens=("<|im_end|>", "<|endoftext|>"),
+    block_diffusion=True,
+    default_block_length=4,
+    published_mask_id=151669,  # SDAR's config `mask_token_id`
+    generation_length=128,  # SDAR generate.py: gen_length 128
+    char_tokenizer=SDAR_TOKENIZER,
+    default_thresholds={"low_confidence_dynamic": 0.85, "multi_bd": 0.95},
+)

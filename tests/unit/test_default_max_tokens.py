@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from dlm_engine import Engine, EngineConfig
-from dlm_engine.decoding.checkpoint_defaults import GENERATION_LENGTHS, generation_length
+from dlm_engine.decoding.checkpoint_defaults import generation_length
+from dlm_engine.models import family_of
 from dlm_lab.testing import TINY_GENERATION_LENGTH, make_tiny_checkpoint
 from dlm_protocol.settings import ASSETS_DIR
 
@@ -27,7 +28,7 @@ def test_family_length_without_a_generation_config_length(
     family: str, length: int, tmp_path: Path
 ) -> None:
     path = _without_length(make_tiny_checkpoint(tmp_path / family, family))
-    assert generation_length(path, family) == GENERATION_LENGTHS[family] == length
+    assert generation_length(path, family) == family_of(family).generation_length == length
     engine = Engine(EngineConfig(model=str(path), max_canvas=1024))
     assert engine.resolve_params({}).max_tokens == length
     small = Engine(EngineConfig(model=str(path), max_canvas=96), loaded=engine.loaded)

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from dlm_engine import loader
 from dlm_engine.loader import _special_ids, load_checkpoint, random_checkpoint
 from dlm_engine.models import DREAM, LLADA, LLADA2, SDAR, build_model, detect_family
 from dlm_engine.models import moe as moe_mod
@@ -455,6 +454,6 @@ def test_llada2_mask_id_falls_back_to_the_published_one(tmp_path: Path) -> None:
     assert _special_ids(LLADA2, cfg, {}, Tok())[:2] == (156895, 156892)
     with pytest.raises(ValueError, match="mask"):
         _special_ids(LLADA2, {"vocab_size": 1000}, {}, Tok())
-    assert loader.PUBLISHED_MASK_IDS["sdar"] == 151669
+    assert SDAR.published_mask_id == 151669
     ids = build_char_tokenizer(tmp_path, "llada2")
     assert vocab_size_for(ids) == max(ids.values()) + 1
