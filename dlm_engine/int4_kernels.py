@@ -31,7 +31,7 @@ class Tile:
     warps: int = 4
     stages: int = 3
     a8: bool = False  # activations in e4m3 per token, FP8 tensor cores (Ada/Hopper)
-    compact: bool = True  # load each int32 once and unpack in registers (else once a nibble)
+    swap: bool = False  # y^T = W^T x^T (`_w4a16_swapped`): few tokens still fill the MMA
 
 
 # (largest M, tile; None: dequantize then cuBLAS), the first entry whose bound holds wins
@@ -71,7 +71,6 @@ def _w4a16(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     A8: tl.constexpr,
-    COMPACT: tl.constexpr,
 ):
     grid_m = tl.cdiv(M, BLOCK_M)
     pid = tl.program_id(0)
@@ -84,12 +83,9 @@ def _w4a16(
     mask_m = offs_m < M
     mask_n = offs_n < N
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    if COMPACT:  # [BLOCK_K / 8, BLOCK_N] words, eight nibbles each
-        q_ptrs = qw_ptr + tl.arange(0, BLOCK_K // 8)[:, None] * stride_qk + offs_n[None, :]
-        shifts = (tl.arange(0, 8) * 4)[None, :, None]
-    else:  # [BLOCK_K, BLOCK_N]: each word loaded once for each of its nibbles
-        q_ptrs = qw_ptr + (offs_k[:, None] // 8) * stride_qk + offs_n[None, :]
-        shifts = (offs_k[:, None] % 8) * 4
+    # [BLOCK_K / 8, BLOCK_N] words, eight nibbles each, unpacked in registers
+    q_ptrs = qw_ptr + tl.arange(0, BLOCK_K // 8)[:, None] * stride_qk + offs_n[None, :]
+    shifts = (tl.arange(0, 8) * 4)[None, :, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_len = K // SPLIT_K
     k_start = pid_k * k_len
@@ -99,11 +95,7 @@ def _w4a16(
         g = k0 // GROUP  # a K block never straddles two groups
         s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0).to(tl.float32)
-        if COMPACT:
-            q = tl.reshape((packed[:, None, :] >> shifts) & 0xF, (BLOCK_K, BLOCK_N))
-        else:
-            q = (packed >> shifts) & 0xF
-        q = q.to(tl.float32)
+        q = tl.reshape((packed[:, None, :] >> shifts) & 0xF, (BLOCK_K, BLOCK_N)).to(tl.float32)
         if A8:  # q - zero is an integer in -16..15: exact in e4m3; the group scale after
             acc += tl.dot(a, (q - z[None, :]).to(tl.float8e4nv)) * s[None, :]
         else:
@@ -112,6 +104,68 @@ def _w4a16(
         acc *= tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(y_ptrs, acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w4a16_swapped(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    y_ptr,
+    xs_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_qk,
+    stride_sg,
+    stride_ym,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    A8: tl.constexpr,
+):
+    """`_w4a16` as y^T = W^T x^T: the weight tile, expanded in registers, is the MMA's first
+    operand (its 64-row side), the tokens the second, so a few tokens waste no MMA rows and
+    the expanded weights need no trip through shared memory."""
+    grid_m = tl.cdiv(M, BLOCK_M)
+    pid = tl.program_id(0)
+    pid_m = pid % grid_m
+    pid_n = pid // grid_m
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    xt_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
+    qt_ptrs = qw_ptr + tl.arange(0, BLOCK_K // 8)[None, :] * stride_qk + offs_n[:, None]
+    shifts = (tl.arange(0, 8) * 4)[None, None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_len = K // SPLIT_K
+    k_start = pid_k * k_len
+    for k0 in range(k_start, k_start + k_len, BLOCK_K):
+        xt = tl.load(xt_ptrs + k0, mask=mask_m[None, :], other=0.0)
+        packed = tl.load(qt_ptrs + (k0 // 8) * stride_qk, mask=mask_n[:, None], other=0)
+        g = k0 // GROUP
+        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0).to(tl.float32)
+        q = tl.reshape((packed[:, :, None] >> shifts) & 0xF, (BLOCK_N, BLOCK_K)).to(tl.float32)
+        if A8:
+            acc += tl.dot((q - z[:, None]).to(tl.float8e4nv), xt) * s[:, None]
+        else:
+            acc = tl.dot(((q - z[:, None]) * s[:, None]).to(xt.dtype), xt, acc)
+    if A8:
+        acc *= tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    mask = mask_n[:, None] & mask_m[None, :]
     if SPLIT_K == 1:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
@@ -200,11 +254,12 @@ def fused(
     else:
         y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n), split)
-    _w4a16[grid](
+    kernel = _w4a16_swapped if tile.swap else _w4a16
+    kernel[grid](
         x, qweight, scales, zeros, y, xs, m, n, k,
         x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
         GROUP=group, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=bk, SPLIT_K=split,
-        A8=tile.a8, COMPACT=tile.compact, num_warps=tile.warps, num_stages=tile.stages,
+        A8=tile.a8, num_warps=tile.warps, num_stages=tile.stages,
     )  # fmt: skip
     return y if split == 1 else y.to(out_dtype)
 
