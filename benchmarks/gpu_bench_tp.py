@@ -1,12 +1,15 @@
 """Tensor parallelism on GPUs (NCCL): TP=N against TP=1 on the same checkpoint, same process.
 
-    python benchmarks/gpu_bench_tp.py --tp 2 [--model llada-8b] [--out DIR]
+    python benchmarks/gpu_bench_tp.py --configs tp1,tp2 [--model llada-8b] [--out DIR]
+    python benchmarks/gpu_bench_tp.py --configs tp2,tp2ep --model llada2-mini  # expert parallel
 
 Writes a random bf16 checkpoint of a published architecture (`dlm_engine/presets.py`) in the
-published layout to local disk (tensor parallelism reads each rank's slices of the
-safetensors), then for TP=1 and TP=N: one forward's logits over a prompt and masked canvas,
-greedy tokens of a few requests (exact mode), and the throughput of the benchmark schedule
-(prompt 64, canvas 256, block 32, 64 steps) at batch 1 and 32 in exact and dual mode.
+published layout to local disk (/dev/shm where it exists: tensor parallelism reads each rank's
+slices of the safetensors), then for each configuration (`tpN`: N ranks; `tpNep`: N ranks with
+the routed experts spread whole over them): one forward's logits over a prompt and masked
+canvas, greedy tokens of a few requests (exact mode), and the throughput of the benchmark
+schedule (prompt 64, canvas 256, block 32, 64 steps) for each `--runs` mode:batch, each
+against the first configuration. CUDA graphs are captured on every rank (`--no-graphs`: eager).
 Random weights make logits nearly flat, so rounding differences between one matmul and a
 sharded one followed by an all-reduce can flip greedy tokens; the logits' relative error is
 the figure that says whether the shards compute the same model.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -60,11 +64,22 @@ def sync_empty(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def run(engine: Engine, batch: int, mode: str, prompts: list[list[int]]) -> float:
-    params = {"max_tokens": CANVAS, "block_length": BLOCK, "steps": STEPS, "temperature": 0.0}
+def schedule(mode: str, max_tokens: int) -> dict:
+    """The fixed schedule: `max_tokens` in blocks of 32, 4 tokens a step; `block` for the
+    block-diffusion families (LLaDA2: 8 steps a block, published low_confidence_static)."""
+    if mode == "block":
+        return {"max_tokens": max_tokens, "steps": BLOCK * STEPS // CANVAS,
+                "algorithm": "low_confidence_static", "temperature": 0.0}  # fmt: skip
+    params = {"max_tokens": max_tokens, "block_length": BLOCK, "temperature": 0.0}
+    params["steps"] = max_tokens * STEPS // CANVAS
     if mode != "exact":
         params["cache"] = mode
-    engine.generate(prompts[:batch], params)  # warm-up: allocations (and graphs at TP=1)
+    return params
+
+
+def run(engine: Engine, batch: int, mode: str, prompts: list[list[int]]) -> float:
+    params = schedule(mode, CANVAS)
+    engine.generate(prompts[:batch], params)  # warm-up: allocations and graph captures
     sync_empty(engine.config.device)
     t = time.perf_counter()
     outs = engine.generate(prompts[:batch], params)
@@ -72,71 +87,106 @@ def run(engine: Engine, batch: int, mode: str, prompts: list[list[int]]) -> floa
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
 
 
+def parse_config(name: str) -> tuple[int, bool]:
+    """`tp2` -> (2, False), `tp2ep` -> (2, True)."""
+    ep = name.endswith("ep")
+    return int(name.removeprefix("tp").removesuffix("ep")), ep
+
+
+def measure(ckpt: Path, name: str, args, prompts, runs) -> dict:
+    tp, ep = parse_config(name)
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    batches = [b for _, b in runs]
+    t0 = time.perf_counter()
+    engine = Engine(
+        EngineConfig(
+            model=str(ckpt), device=args.device, dtype=dtype, tensor_parallel_size=tp,
+            expert_parallel=ep, cuda_graphs=not args.no_graphs, max_rows=max(batches),
+            max_canvas=CANVAS, max_prompt=PROMPT + 8, max_step_tokens=1 << 30,
+        )
+    )  # fmt: skip
+    res: dict = {"start_s": time.perf_counter() - t0}
+    x = torch.tensor([prompts[0] + [engine.mask_id] * 64], device=args.device)
+    with torch.no_grad():
+        res["logits"] = full_logits(engine.runner.model)(x).float().cpu()
+    greedy = schedule("block" if engine.model_block else "exact", 64)
+    res["tokens"] = [o.token_ids for o in engine.generate(prompts[:4], greedy)]
+    for mode, b in runs:
+        key = f"{mode}_b{b}_tok_s"
+        res[key] = run(engine, b, mode, prompts)
+        print(f"{name} {mode:5s} batch {b:3d}: {res[key]:8.1f} tok/s", flush=True)
+    graphs = engine.runner.graphs
+    res["graph_captures"] = graphs.captures if graphs is not None else 0
+    close = getattr(engine.runner.model, "close", None)
+    if close is not None:
+        close()
+    del engine
+    sync_empty(args.device)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llada-8b")
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--batches", default="1,32")
-    ap.add_argument("--modes", default="exact,dual")
+    ap.add_argument("--configs", default="tp1,tp2", help="tpN or tpNep, the first the baseline")
+    ap.add_argument("--runs", default="exact:1,exact:32,dual:32", help="mode:batch, ...")
+    ap.add_argument("--no-graphs", action="store_true", help="eager forwards on every rank")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="shrunken preset: a CPU smoke run")
+    ap.add_argument("--layers", type=int, default=0, help="fewer layers than published (0: all)")
     args = ap.parse_args()
+    if args.layers:
+        for key in ("n_layers", "num_hidden_layers"):
+            if key in PRESETS[args.model]:
+                PRESETS[args.model][key] = args.layers
     if args.tiny:
-        PRESETS[args.model].update(
-            d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=128
-        )
+        shrink = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4,
+                  "mlp_hidden_size": 128, "hidden_size": 64, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                  "intermediate_size": 128, "moe_intermediate_size": 32}  # fmt: skip
+        PRESETS[args.model].update({k: v for k, v in shrink.items() if k in PRESETS[args.model]})
     if args.device.startswith("cuda"):
         print(
             f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()} torch={torch.__version__}"
         )
-    tmp = Path(tempfile.mkdtemp(prefix="tp-ckpt-"))
-    ckpt = write_random_checkpoint(args.model, tmp, args.device)
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(100, 30000, (32, PROMPT), generator=gen).tolist()
-    batches = [int(b) for b in args.batches.split(",")]
-    results: dict[int, dict] = {}
-    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    for tp in (1, args.tp):
+    shm = Path("/dev/shm")
+    tmp = Path(tempfile.mkdtemp(prefix="tp-ckpt-", dir=shm if shm.is_dir() else None))
+    try:
         t0 = time.perf_counter()
-        engine = Engine(
-            EngineConfig(
-                model=str(ckpt), device=args.device, dtype=dtype, tensor_parallel_size=tp,
-                max_rows=max(batches), max_canvas=CANVAS, max_prompt=PROMPT + 8,
-                max_step_tokens=1 << 30,
-            )
-        )  # fmt: skip
-        res: dict = {"start_s": time.perf_counter() - t0}
-        x = torch.tensor([prompts[0] + [engine.mask_id] * 64], device=args.device)
-        with torch.no_grad():
-            res["logits"] = full_logits(engine.runner.model)(x).float().cpu()
-        greedy = {"max_tokens": 64, "block_length": BLOCK, "steps": 64, "temperature": 0.0}
-        res["tokens"] = [o.token_ids for o in engine.generate(prompts[:4], greedy)]
-        for mode in args.modes.split(","):
-            for b in batches:
-                res[f"{mode}_b{b}_tok_s"] = run(engine, b, mode, prompts)
-                print(f"TP={tp} {mode:5s} batch {b:3d}: {res[f'{mode}_b{b}_tok_s']:8.1f} tok/s",
-                      flush=True)  # fmt: skip
-        results[tp] = res
-        close = getattr(engine.runner.model, "close", None)
-        if close is not None:
-            close()
-        del engine
-        sync_empty(args.device)
-    one, many = results[1], results[args.tp]
-    rel = float((many["logits"] - one["logits"]).norm() / one["logits"].norm())
-    agree = float((many["logits"].argmax(-1) == one["logits"].argmax(-1)).float().mean())
-    same = sum(a == b for a, b in zip(one["tokens"], many["tokens"], strict=True))
-    print(f"logits TP={args.tp} vs TP=1: relative error {rel:.4f}, argmax agreement {agree:.3f}")
-    print(f"greedy requests with identical tokens: {same} of {len(one['tokens'])}")
-    summary = {"model": args.model, "tp": args.tp, "logits_rel_error": rel,
-               "argmax_agreement": agree, "identical_greedy": same}  # fmt: skip
-    for key in one:
+        ckpt = write_random_checkpoint(args.model, tmp, args.device)
+        print(f"checkpoint written in {time.perf_counter() - t0:.1f} s", flush=True)
+        gen = torch.Generator().manual_seed(0)
+        prompts = torch.randint(100, 30000, (32, PROMPT), generator=gen).tolist()
+        runs = [(m, int(b)) for m, b in (r.split(":") for r in args.runs.split(","))]
+        names = args.configs.split(",")
+        results = {name: measure(ckpt, name, args, prompts, runs) for name in names}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    base_name = names[0]
+    base = results[base_name]
+    summary: dict = {
+        "model": args.model,
+        "layers": args.layers or "published",
+        "configs": names,
+        "graphs": not args.no_graphs,
+    }
+    for name in names[1:]:
+        other = results[name]
+        rel = float((other["logits"] - base["logits"]).norm() / base["logits"].norm())
+        agree = float((other["logits"].argmax(-1) == base["logits"].argmax(-1)).float().mean())
+        same = sum(a == b for a, b in zip(base["tokens"], other["tokens"], strict=True))
+        summary[f"{name}_vs_{base_name}"] = {
+            "logits_rel_error": rel, "argmax_agreement": agree, "identical_greedy": same,
+        }  # fmt: skip
+    for key in base:
         if key.endswith("tok_s"):
-            summary[key] = {"tp1": one[key], f"tp{args.tp}": many[key],
-                            "speedup": many[key] / one[key]}  # fmt: skip
-            print(f"{key}: {one[key]:.1f} -> {many[key]:.1f} ({many[key] / one[key]:.2f}x)")
-    summary["start_s"] = {"tp1": one["start_s"], f"tp{args.tp}": many["start_s"]}
+            summary[key] = {name: results[name][key] for name in names}
+            for name in names[1:]:
+                summary[key][f"speedup_{name}"] = results[name][key] / base[key]
+    summary["start_s"] = {name: results[name]["start_s"] for name in names}
+    summary["graph_captures"] = {name: results[name]["graph_captures"] for name in names}
+    print(json.dumps(summary, indent=1))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,11 @@ At batch 1 a step of an 8B model is bound by kernel launches, not by the GPU (se
 docs/benchmarks.md). Replaying a captured graph removes them. The caller pads every input to
 its bucket itself (`bucket_rows`, `round_up`: it knows what padding means for each input);
 this cache copies the inputs into the graph's static buffers and replays.
+
+On a device without CUDA graphs (the CPU) a "graph" is the recorded forward run again over
+its static inputs (`EagerGraph`): the cache's bookkeeping (keys, eviction, static inputs) is
+the same, which is how tensor parallel's graphs on every rank (dlm_engine/parallel/graphs.py)
+are tested on CPU ranks.
 """
 
 from __future__ import annotations
@@ -40,9 +45,21 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+class EagerGraph:
+    """A CPU stand-in for `torch.cuda.CUDAGraph`: `replay` runs the forward again over the
+    static inputs and writes the static output."""
+
+    def __init__(self, fn: Callable[[Inputs], torch.Tensor], inputs: Inputs, out: torch.Tensor):
+        self.fn, self.inputs, self.out = fn, inputs, out
+
+    def replay(self) -> None:
+        with torch.inference_mode():
+            self.out.copy_(self.fn(self.inputs))
+
+
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | EagerGraph
     inputs: Inputs
     out: torch.Tensor
     # the tensor each static input was last copied from: a step that reuses its plan passes
@@ -75,6 +92,20 @@ class GraphCache:
         self.graphs.clear()
         self.mempool = None
 
+    @staticmethod
+    def full_key(key: tuple, inputs: Inputs) -> tuple:
+        """The cache's key of one graph: the caller's key and the inputs' shapes."""
+        return (key, tuple((n, tuple(t.shape)) for n, t in inputs.items()))
+
+    def will_capture(self, key: tuple, inputs: Inputs) -> bool:
+        """Whether `run(key, ..., inputs)` captures (no graph of these shapes is held): under
+        tensor parallel every rank must capture, or replay, together."""
+        return self.full_key(key, inputs) not in self.graphs
+
+    def drop(self, key: tuple, inputs: Inputs) -> None:
+        """Forget one graph (the next `run` of its key and shapes captures it again)."""
+        self.graphs.pop(self.full_key(key, inputs), None)
+
     def run(
         self,
         key: tuple,
@@ -83,7 +114,7 @@ class GraphCache:
     ) -> torch.Tensor:
         """Replay (capturing first) the graph of `fn` for these input shapes; the caller has
         padded every input to its bucket, so the shapes are part of the key as they are."""
-        full_key = (key, tuple((n, tuple(t.shape)) for n, t in inputs.items()))
+        full_key = self.full_key(key, inputs)
         entry = self.graphs.get(full_key)
         if entry is None:
             entry = self._capture(full_key, fn, inputs)
@@ -97,6 +128,10 @@ class GraphCache:
 
     def _capture(self, key: tuple, fn, inputs: Inputs) -> _Captured:
         static = {n: t.clone() for n, t in inputs.items()}
+        if self.device.type != "cuda":
+            with torch.inference_mode():
+                out = fn(static)
+            return self._keep(key, _Captured(EagerGraph(fn, static, out), static, out))
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side), torch.inference_mode():
@@ -108,7 +143,9 @@ class GraphCache:
             self.mempool = torch.cuda.graph_pool_handle()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self.mempool):
             out = fn(static)
-        entry = _Captured(graph, static, out)
+        return self._keep(key, _Captured(graph, static, out))
+
+    def _keep(self, key: tuple, entry: _Captured) -> _Captured:
         self.graphs[key] = entry
         self.captures += 1
         while len(self.graphs) > self.max_graphs:

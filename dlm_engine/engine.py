@@ -76,9 +76,7 @@ class Engine:
                 pad_id,
                 lm.device,
                 max_rows=config.max_rows,
-                # a tensor-parallel forward first sends its inputs to the workers (host work
-                # a captured graph would not repeat)
-                cuda_graphs=config.cuda_graphs and config.tensor_parallel_size == 1,
+                cuda_graphs=config.cuda_graphs,
                 max_cuda_graphs=config.max_cuda_graphs,
                 cuda_graph_max_tokens=config.cuda_graph_max_tokens,
                 fused_kernels=config.fused_kernels,

@@ -80,7 +80,9 @@ class ModelRunner:
         self.model_vocab = int(model.vocab_size)
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         use_graphs = cuda_graphs and device.type == "cuda" and max_cuda_graphs > 0
-        self.graphs = GraphCache(device, max_cuda_graphs) if use_graphs else None
+        # a tensor-parallel model brings its own cache: graphs on every rank, replayed together
+        make = getattr(model, "graph_cache", None) or GraphCache
+        self.graphs = make(device, max_cuda_graphs) if use_graphs else None
         self.graph_max_tokens = cuda_graph_max_tokens  # larger steps run eagerly (0: none do)
         # the last step's plan and what it was made for: an in-block step whose rows did not
         # move reuses its index tensors (ragged.plan_key; building them is host time a batch-1

@@ -453,4 +453,7 @@ def packed_forward_fn(
         hidden = gather_positions(model.hidden_states(batch), x["logits_index"])
         return hidden.reshape(-1, width, hidden.shape[-1])
 
+    # what a tensor-parallel rank 0 tells the other ranks to build the same forward
+    # (dlm_engine/parallel/graphs.py)
+    fn.parts = (pool, width, layout, pages)  # type: ignore[attr-defined]
     return fn

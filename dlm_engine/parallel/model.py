@@ -7,7 +7,8 @@ Each call first sends the workers the call's inputs (`channel.py`) and then runs
 shard; the shards meet in the row-parallel all-reduces and the head's gather, so all ranks
 run every forward in lockstep and rank 0 alone ends with full logits. KV pools live on every
 rank with the same geometry: rank 0 sends their shapes, the workers keep mirrors, and the
-index tensors of the packed plan address both alike.
+index tensors of the packed plan address both alike. On CUDA the packed forwards are CUDA
+graphs on every rank, captured and replayed together (`graphs.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from ..models.common import ForwardBatch, gather_positions
 from ..ragged import GroupLayout, PackedAttention
 from .channel import Channel
+from .graphs import ParallelGraphs, WorkerGraphs
 
 _BATCH_FIELDS = ("input_ids", "positions", "key_mask", "logits_index")
 
@@ -95,6 +97,7 @@ class WorkerModel:
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.pool: KVMirror | None = None
         self.pages: KVMirror | None = None
+        self.graphs: WorkerGraphs | None = None  # made on rank 0's first graph command
 
     def _mirror(self, old: KVMirror | None, shape: list[int] | None) -> KVMirror | None:
         if shape is None:
@@ -112,12 +115,17 @@ class WorkerModel:
         given = dict(zip(header["names"], tensors, strict=True))
         self.pool = self._mirror(self.pool, header["pool"])
         self.pages = self._mirror(self.pages, header["pages"])
+        pool = self.pool if header["pool"] is not None else None
+        pages = self.pages if header["pages"] is not None else None
+        if header["cmd"] == "graph":
+            if self.graphs is None:
+                self.graphs = WorkerGraphs(self.device)
+            self.graphs.run(self.model, header, given, pool, pages)
+            return
         ctx = None
         if header["layout"] is not None:
             x = {k.removeprefix("x."): t for k, t in given.items() if k.startswith("x.")}
             layout = tuple(GroupLayout(*g) for g in header["layout"])
-            pool = self.pool if header["pool"] is not None else None
-            pages = self.pages if header["pages"] is not None else None
             ctx = PackedAttention(x, pool, layout, pages)
         batch = ForwardBatch(*(given.get(n) for n in _BATCH_FIELDS), ctx)
         self.model.hidden_states(batch)
@@ -149,6 +157,10 @@ class ParallelLM(nn.Module):
 
     def fuse_projections(self) -> None:
         """Already fused on every rank when the shards loaded."""
+
+    def graph_cache(self, device: torch.device, max_graphs: int) -> ParallelGraphs:
+        """The model runner's CUDA-graph cache: graphs captured and replayed on every rank."""
+        return ParallelGraphs(self, device, max_graphs)
 
     def blocks(self) -> nn.ModuleList:
         return self.local.blocks()

@@ -1,0 +1,78 @@
+"""Graphs on every rank under tensor parallel, on CPU: rank 0 tells the workers which graph to
+capture or replay before it does (dlm_engine/parallel/graphs.py). On CPU a "graph" is the
+recorded forward run again over its static inputs (`cuda_graphs.EagerGraph`), so the protocol
+(keys, capture decisions, eviction in step with rank 0's, a new epoch when the KV pool moves,
+static inputs fed anew each step) runs for real over a gloo group; it must give the tokens of
+one device, with most forwards replayed rather than captured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from dlm_engine import Engine, EngineConfig
+from dlm_engine.parallel import ParallelLM
+from dlm_engine.parallel.graphs import ParallelGraphs
+from dlm_lab.testing import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_per_rank() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _graphed_tp2(path: str, max_graphs: int, **config) -> tuple[Engine, ParallelGraphs]:
+    engine = Engine(EngineConfig(model=path, tensor_parallel_size=2, **config))
+    model = engine.runner.model
+    assert isinstance(model, ParallelLM)
+    graphs = model.graph_cache(torch.device("cpu"), max_graphs)
+    engine.runner.graphs = graphs  # the runner turns them on only on CUDA by itself
+    return engine, graphs
+
+
+def _tokens(engine: Engine, prompts, params) -> list[list[int]]:
+    return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+@pytest.mark.parametrize(
+    ("family", "rows", "config"),
+    [
+        # Fast-dLLM dual cache: the KV pool grows (a new epoch: every rank drops its graphs)
+        (
+            "llada",
+            [
+                {"max_tokens": 24, "steps": 12, "cache": "dual", "block_length": 8},
+                {"max_tokens": 16, "steps": 16},
+                {"max_tokens": 8, "steps": 8, "cache": "prefix", "block_length": 4},
+            ],
+            {},
+        ),
+        # block diffusion over pages, experts spread whole over the ranks
+        ("llada2", [{"max_tokens": 16}, {"max_tokens": 40}], {"expert_parallel": True}),
+    ],
+)
+def test_graphs_on_every_rank_give_one_devices_tokens(tmp_path, family, rows, config) -> None:
+    path = str(make_tiny_checkpoint(tmp_path / family, family, seed=2))
+    one = Engine(EngineConfig(model=path))
+    two, graphs = _graphed_tp2(path, max_graphs=3, **config)
+    try:
+        texts = ("Hello there, what is 2+2?", "Sort: 5 3 9 1", "abc")
+        prompts = [one.encode_prompt(text=t) for t in texts][: len(rows)]
+        assert _tokens(two, prompts[:1], rows[0]) == _tokens(one, prompts[:1], rows[0])
+        assert _tokens(two, prompts, rows) == _tokens(one, prompts, rows)
+        forwards = two.runner.forward_passes
+        # graphs were captured, most forwards replayed one, and rank 0 evicted past 3
+        # (the workers evict alike, or a replay would have found its graph missing)
+        assert 3 < graphs.captures < forwards
+        assert len(graphs.graphs) <= 3
+        if family == "llada":
+            assert graphs.epoch >= 1  # the pool moved at least once
+    finally:
+        two.runner.model.close()
+    assert all(p.poll() is not None for p in two.runner.model.workers.procs)
