@@ -71,9 +71,18 @@ class _Captured:
 class GraphCache:
     """Captures `fn(static_inputs)` once per key and input shapes; replays it afterwards."""
 
-    def __init__(self, device: torch.device, max_graphs: int = 24, warmups: int = 1) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        max_graphs: int = 24,
+        warmups: int = 1,
+        capture_error_mode: str = "global",
+    ) -> None:
         self.device = device
         self.max_graphs = max_graphs
+        # "thread_local" under tensor parallel: NCCL's watchdog thread queries its events
+        # while a rank captures, which "global" would count against the capture
+        self.capture_error_mode = capture_error_mode
         # eager runs before a capture, on a side stream: the first run of a new shape may
         # compile or autotune the compiled pieces, which must not happen under capture; a
         # second run finds nothing more to do and only costs time (benchmarks/capture_cost.py)
@@ -141,7 +150,10 @@ class GraphCache:
         graph = torch.cuda.CUDAGraph()
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.mempool):
+        with (
+            torch.inference_mode(),
+            torch.cuda.graph(graph, pool=self.mempool, capture_error_mode=self.capture_error_mode),
+        ):
             out = fn(static)
         return self._keep(key, _Captured(graph, static, out))
 

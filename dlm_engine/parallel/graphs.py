@@ -36,7 +36,7 @@ class ParallelGraphs:
 
     def __init__(self, lm, device: torch.device, max_graphs: int) -> None:
         self.lm = lm  # model.ParallelLM
-        self.cache = GraphCache(device, max_graphs)
+        self.cache = GraphCache(device, max_graphs, capture_error_mode="thread_local")
         self.epoch = 0
 
     @property
@@ -77,7 +77,7 @@ class WorkerGraphs:
     """A worker's graphs: rank 0's, captured and replayed when rank 0 says."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cache = GraphCache(device)
+        self.cache = GraphCache(device, capture_error_mode="thread_local")
         self.epoch = 0
 
     def run(self, model, header: dict[str, Any], inputs: Inputs, pool, pages) -> None:
