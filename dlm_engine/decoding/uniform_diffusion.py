@@ -62,8 +62,9 @@ def temperature(s: UniformSettings, remaining: int, device: torch.device) -> tor
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of each position's categorical distribution (nats)."""
-    return torch.distributions.Categorical(logits=logits).entropy()
+    """Entropy of each position's categorical distribution (nats); unvalidated (validation
+    would wait on the GPU every step)."""
+    return torch.distributions.Categorical(logits=logits, validate_args=False).entropy()
 
 
 def accepted_mask(entropy: torch.Tensor, bound: float) -> torch.Tensor:
@@ -105,11 +106,13 @@ class UniformRow:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
-        self.cache = RowCache(n_layers)
+        self.cache = RowCache(n_layers, room=canvas_length)
         self.to_encode: torch.Tensor | None = prompt  # the prompt, then each finished canvas
         self.current: torch.Tensor | None = None  # the canvas fed to the next step [1, L]
         self.argmax: torch.Tensor | None = None
-        self.soft_logits: torch.Tensor | None = None  # self-conditioning input [1, L, V]
+        # the self-conditioning input: the last step's soft embeddings [1, L, H], not its
+        # logits (L x V floats per row would cap the batch on one GPU)
+        self.soft: torch.Tensor | None = None
         self.history: torch.Tensor | None = None  # last argmax canvases, adaptive stopping
         self.remaining = 0  # steps left in this canvas (the schedule's cur_step)
         self.canvases_done = 0
@@ -135,12 +138,14 @@ class UniformRow:
         self.to_encode = None
         self.current = self._random_canvas()
         self.argmax = self.current
-        self.soft_logits = None
+        self.soft = None
         self.history = None
         self.remaining = self.settings.steps
 
-    def absorb(self, logits: torch.Tensor, dtype: torch.dtype) -> list[int] | None:
-        """One step's logits [1, L, V] -> the finished canvas's tokens, or None if it goes on."""
+    def absorb(self, logits: torch.Tensor, model: DiffusionGemmaModel) -> torch.Tensor | None:
+        """Sample, accept and renoise from one step's logits [1, L, V] without waiting on the
+        device. Returns the adaptive-stopping verdict as a device bool (None: this row has no
+        adaptive stopping); `end_step` takes it as a host bool once every row has sampled."""
         s = self.settings
         temp = temperature(s, self.remaining, logits.device)
         if self.bias is not None:
@@ -157,25 +162,36 @@ class UniformRow:
         accept = accepted_mask(entropy, s.entropy_bound)
         accepted = torch.where(accept, sampled, self.current)
         self.current = torch.where(~accept, self._random_canvas(), accepted)
-        finished = False
+        verdict = None
         if s.adaptive_stop:
-            finished = self._stable() and bool(entropy.mean(dim=-1)[0] < s.stop_entropy)
-        self.soft_logits = processed.to(dtype)
-        self.last_logits = processed
+            verdict = self._stable() & (entropy.mean(dim=-1)[0] < s.stop_entropy)
         self.remaining -= 1
         self.forwards += 1
-        if not (finished or self.remaining == 0):
-            return None
-        return self._finish_canvas()
+        # the next step's self-conditioning (unused if the canvas ends: the next starts bare)
+        self.soft = model.soft_embedding(processed)
+        # L x V floats are kept past this call only where the canvas's end reads them
+        if self.constraint is not None or self.logprobs is not None:
+            self.last_logits = processed
+        return verdict
 
-    def _stable(self) -> bool:
-        """The argmax canvas equals each of the last `stability_threshold` ones."""
+    def end_step(self, stopped: bool) -> list[int] | None:
+        """After `absorb`: the finished canvas's tokens, or None if the canvas goes on
+        (`stopped`: the adaptive-stopping verdict)."""
+        if not (stopped or self.remaining == 0):
+            return None
+        canvas = self._finish_canvas()
+        self.last_logits = self.model_logits = None
+        return canvas
+
+    def _stable(self) -> torch.Tensor:
+        """The argmax canvas equals each of the last `stability_threshold` ones (a device
+        bool)."""
         n = self.settings.stability_threshold
         if n == 0:
-            return True
+            return torch.ones((), dtype=torch.bool, device=self.argmax.device)
         if self.history is None:
             self.history = torch.full((n, *self.argmax.shape), -1, device=self.argmax.device)
-        stable = bool((self.history == self.argmax[None]).all())
+        stable = (self.history == self.argmax[None]).all()
         self.history = torch.roll(self.history, shifts=-1, dims=0)
         self.history[-1] = self.argmax
         return stable
@@ -224,11 +240,17 @@ def step_rows(model: DiffusionGemmaModel, rows: list[UniformRow]) -> list[list[i
     for row in rows:
         if row.current is None or row.to_encode is not None:
             row.start_canvas(model)
-    dtype = model.model.decoder.embed_tokens.weight.dtype
-    logits = model.decode(
-        torch.cat([r.current for r in rows]), [r.soft_logits for r in rows], [r.cache for r in rows]
+    hidden = model.decode_hidden(
+        torch.cat([r.current for r in rows]), [r.soft for r in rows], [r.cache for r in rows]
     )
-    return [row.absorb(logits[i : i + 1], dtype) for i, row in enumerate(rows)]
+    # each row's logits alone (L x V float32 each), sampled from and dropped
+    verdicts = [row.absorb(model.head(hidden[i : i + 1]), model) for i, row in enumerate(rows)]
+    # one wait on the device per step, for every row's adaptive-stopping verdict
+    pending = [v for v in verdicts if v is not None]
+    stopped = iter(torch.stack(pending).tolist() if pending else [])
+    return [
+        row.end_step(v is not None and next(stopped)) for row, v in zip(rows, verdicts, strict=True)
+    ]
 
 
 def generate(

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .family import Family
+from .grouped_experts import gated_experts
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,9 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # one fused kernel (float32 inside) instead of eight passes
+            w = None if self.weight is None else self.weight.to(x.dtype)
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
         h = x.float()
         h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if self.weight is not None:
@@ -219,11 +223,43 @@ class GemmaAttention(nn.Module):
         return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None):
-        """One row's attention (scale 1, GQA by repeating keys): q [1, H, T, d]."""
+        """One row's attention (scale 1): q [1, H, T, d]. Query heads share key heads (GQA)
+        inside the kernel on the GPU; on the CPU keys are repeated, as the reference does."""
         rep = self.n_heads // self.kv_heads
+        if q.is_cuda and mask is None and self.head_dim > 256:
+            out = _wide_head_attention(q, k, v)
+            if out is not None:
+                return out
+        if rep > 1 and q.is_cuda:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True
+            )
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+
+
+_WIDE_HEAD_FAILED: list[str] = []
+
+
+def _wide_head_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Unmasked attention (scale 1) for heads wider than the fused kernels take (the full
+    layers' 512): PyTorch would fall back to float32 products. Here each key head's query
+    heads go through one bf16 product with float32 scores, a float32 softmax and one bf16
+    product with the values; None where `bmm(out_dtype=)` is missing."""
+    if _WIDE_HEAD_FAILED:
+        return None
+    _, heads, t, d = q.shape
+    kv = k.shape[1]
+    qg = q.reshape(kv, heads // kv * t, d)  # query heads h use key head h // (heads / kv)
+    try:
+        scores = torch.bmm(qg, k[0].transpose(-1, -2), out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        log.warning("wide-head attention falls back to SDPA: %s", exc)
+        _WIDE_HEAD_FAILED.append(str(exc))
+        return None
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    return torch.bmm(probs, v[0]).view(1, heads, t, d)
 
 
 class GemmaMLP(nn.Module):
@@ -258,9 +294,17 @@ class GemmaRouter(nn.Module):
         return weights * self.per_expert_scale[index], index
 
 
+def _gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class GemmaExperts(nn.Module):
     """Expert weights as 3D tensors (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]); each
-    token sums its experts' outputs in expert order."""
+    token sums its experts' outputs in expert order. Run as two grouped GEMMs
+    (`grouped_experts.py`); `looped` is transformers' per-expert loop, kept as the reference
+    the grouped path is tested and timed against."""
+
+    looped = False
 
     def __init__(self, a: DiffusionGemmaArch) -> None:
         super().__init__()
@@ -269,6 +313,12 @@ class GemmaExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
+        if self.looped:
+            return self.loop(x, index, weights)
+        return gated_experts(x, index, weights, self.gate_up_proj, self.down_proj, _gelu_mul)
+
+    def loop(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
+        """One expert at a time (a host wait per expert): the reference's order."""
         out = torch.zeros_like(x)
         for e in torch.unique(index).tolist():
             token, slot = torch.where(index == e)
@@ -363,15 +413,44 @@ class _Backbone(nn.Module):
 
 class RowCache:
     """One request's encoder keys and values, per layer [KV heads, S, d]; sliding layers keep
-    only their last `sliding_window - 1` positions, as transformers' sliding cache layers."""
+    only their last `sliding_window - 1` positions, as transformers' sliding cache layers.
 
-    def __init__(self, n_layers: int) -> None:
+    Each layer's keys and values sit at the front of a buffer with `room` free positions
+    behind them: a decoder step writes its canvas's keys and values there and attends over
+    the front of the buffer, instead of copying the whole cache every step."""
+
+    def __init__(self, n_layers: int, room: int = 0) -> None:
         self.keys: list[torch.Tensor | None] = [None] * n_layers
         self.values: list[torch.Tensor | None] = [None] * n_layers
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
+        self.room = room
         self.length = 0  # positions encoded so far
 
     def layer(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.keys[i], self.values[i]
+
+    def store(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer i's cache becomes k, v [KV, S, d] (copied, with room behind)."""
+        s = k.shape[1]
+        kb = k.new_empty(k.shape[0], s + self.room, k.shape[2])
+        vb = v.new_empty(v.shape[0], s + self.room, v.shape[2])
+        kb[:, :s], vb[:, :s] = k, v
+        self._buffers[i] = (kb, vb)
+        self.keys[i], self.values[i] = kb[:, :s], vb[:, :s]
+
+    def with_canvas(self, i: int, k: torch.Tensor, v: torch.Tensor):
+        """Keys and values [KV, S + L, d] of layer i's cache followed by a canvas's k, v
+        [KV, L, d]; the cache itself is unchanged."""
+        ck, cv = self.keys[i], self.values[i]
+        if ck is None:
+            return k, v
+        s, length = ck.shape[1], k.shape[1]
+        buffers = self._buffers[i]
+        if buffers is None or buffers[0].shape[1] < s + length:
+            return torch.cat([ck, k], 1), torch.cat([cv, v], 1)
+        kb, vb = buffers
+        kb[:, s : s + length], vb[:, s : s + length] = k, v
+        return kb[:, : s + length], vb[:, : s + length]
 
 
 class DiffusionGemmaModel(nn.Module):
@@ -423,9 +502,12 @@ class DiffusionGemmaModel(nn.Module):
         t = ids.shape[0]
         pos = torch.arange(start, start + t, device=ids.device)
         last = len(self._decoder.layers) - 1
+        ropes: dict[LayerShape, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, layer in enumerate(self._decoder.layers):
             shape = layer.self_attn.shape
-            cos, sin = self._rope(shape, pos[None], x.dtype)
+            if shape not in ropes:
+                ropes[shape] = self._rope(shape, pos[None], x.dtype)
+            cos, sin = ropes[shape]
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
             old_k, old_v = cache.layer(i)
             if old_k is not None:
@@ -434,7 +516,7 @@ class DiffusionGemmaModel(nn.Module):
                 k_all, v_all = k[0], v[0]
             # sliding layers keep their last window - 1 positions (all of them if fewer)
             drop = max(0, k_all.shape[1] - (a.sliding_window - 1)) if shape.sliding else 0
-            cache.keys[i], cache.values[i] = k_all[:, drop:], v_all[:, drop:]
+            cache.store(i, k_all[:, drop:], v_all[:, drop:])
             if i == last:
                 break  # the last layer's output feeds nothing: only its keys are kept
             kpos = torch.arange(start + t - k_all.shape[1], start + t, device=ids.device)
@@ -447,45 +529,68 @@ class DiffusionGemmaModel(nn.Module):
             x = layer.feed_forward(x, attn, scalar)
         cache.length = start + t
 
+    def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
+        """A step's self-conditioning signal for the next step: its processed logits [.., L, V]
+        (rounded to the weights' dtype, as the reference keeps them) as soft embeddings
+        [.., L, H]. Kept instead of the logits: a canvas's signal is L x H, not L x V."""
+        w = self._decoder.embed_tokens.weight
+        probs = logits.to(w.dtype).softmax(dim=-1, dtype=torch.float32).to(w.dtype)
+        scale = torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
+        return torch.matmul(probs, w) * scale
+
     @torch.no_grad()
-    def decode(
+    def decode_hidden(
         self,
         canvas: torch.Tensor,
-        soft_logits: list[torch.Tensor | None],
+        soft: list[torch.Tensor | None],
         caches: list[RowCache],
     ) -> torch.Tensor:
-        """Float32 soft-capped logits [B, L, V] for canvases [B, L], each row over its own
-        cache (positions follow it), with its self-conditioning logits (None: none yet)."""
+        """The decoder's normed hidden states [B, L, H] for canvases [B, L], each row over its
+        own cache (positions follow it), with its self-conditioning soft embeddings [1, L, H]
+        (`soft_embedding`; None: none yet). `head` turns them into logits."""
         dec = self._decoder
         b, length = canvas.shape
         x = self._embed(canvas)
-        w = dec.embed_tokens.weight
-        soft = torch.zeros_like(x)
-        for r, logits in enumerate(soft_logits):
-            if logits is not None:
-                probs = logits.softmax(dim=-1, dtype=torch.float32).to(w.dtype)
-                scale = torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
-                soft[r] = torch.matmul(probs, w) * scale.to(x.dtype)
-        x = dec.self_conditioning(x, soft)
+        signal = torch.zeros_like(x)
+        for r, emb in enumerate(soft):
+            if emb is not None:
+                signal[r] = emb[0].to(x.dtype)
+        x = dec.self_conditioning(x, signal)
         offsets = torch.tensor([c.length for c in caches], device=canvas.device)
         pos = offsets[:, None] + torch.arange(length, device=canvas.device)[None]
+        ropes: dict[LayerShape, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, layer in enumerate(dec.layers):
-            cos, sin = self._rope(layer.self_attn.shape, pos, x.dtype)
+            shape = layer.self_attn.shape
+            if shape not in ropes:  # the same for every layer of a shape
+                ropes[shape] = self._rope(shape, pos, x.dtype)
+            cos, sin = ropes[shape]
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
             rows = []
             for r, cache in enumerate(caches):
-                ck, cv = cache.layer(i)
-                kr = torch.cat([ck, k[r]], 1) if ck is not None else k[r]
-                vr = torch.cat([cv, v[r]], 1) if cv is not None else v[r]
+                kr, vr = cache.with_canvas(i, k[r], v[r])
                 rows.append(layer.self_attn.attend(q[r : r + 1], kr[None], vr[None]))
             attn = torch.cat(rows).transpose(1, 2).reshape(b, length, -1)
             x = layer.feed_forward(x, attn, layer.layer_scalar)
-        h = dec.norm(x)
-        logits = F.linear(h, w).float()
+        return dec.norm(x)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 soft-capped logits [.., L, V] of hidden states [.., L, H] (tied weights)."""
+        logits = F.linear(h, self._decoder.embed_tokens.weight).float()
         cap = self.arch.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    @torch.no_grad()
+    def decode(
+        self,
+        canvas: torch.Tensor,
+        soft: list[torch.Tensor | None],
+        caches: list[RowCache],
+    ) -> torch.Tensor:
+        """Float32 soft-capped logits [B, L, V] (`decode_hidden` then `head`, all rows at once:
+        the engine takes each row's logits alone, so B x L x V float32 never exists at once)."""
+        return self.head(self.decode_hidden(canvas, soft, caches))
 
 
 VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")

@@ -1,0 +1,390 @@
+"""DiffusionGemma on one GPU through the engine: per-step time, decode and end-to-end output
+tok/s, TTFT, and the bf16 weight-read floor of a step.
+
+    python benchmarks/gpu_bench_gemma.py [--batches 1,8,32] [--prompt 4096] [--output 512]
+        [--steps 16] [--baseline out/gemma_base/diffusion_gemma.py] [--out FILE]
+    python benchmarks/gpu_bench_gemma.py --tiny      # CPU, the tiny test checkpoint
+
+The model is the published google/diffusiongemma-26B-A4B-it text architecture
+(`presets.py`) with random bf16 weights, built on the meta device and materialised straight
+on the GPU (no checkpoint is written). Requests run through `Engine` (the code that serves):
+`batch` requests of `prompt` random tokens and `max_tokens=output`, `steps` denoising steps
+per canvas, all added at once. Adaptive stopping stays on, as served, but never fires: random
+weights give a mean entropy near ln(262144) = 12.5 nats, far above `stop_entropy`, so every
+canvas takes all its steps (`engine_steps` shows it) and the text never ends early.
+
+Figures per batch:
+- `step_ms`: median wall time of an engine step that encodes nothing (one denoising step of
+  every row), `forward_ms` its decoder forward (CUDA events), the rest is the per-row head,
+  sampler and self-conditioning;
+- `ttft_ms`: from adding the requests to each one's first streamed tokens (its first canvas),
+  median over requests;
+- `decode_tok_s`: output tokens / (end-to-end time - prompt encoding time); finished canvases
+  re-encoded between canvases count as decode time;
+- `output_tok_s`: output tokens / end-to-end time;
+- `floor_ms`: bytes of the weights one step reads (every decoder weight, experts all touched
+  by a 256-token canvas, plus the tied embedding read a second time by self-conditioning) /
+  HBM bandwidth (3.35 TB/s, H100 SXM); `floor_decode_tok_s` the decode rate at that floor.
+
+`--baseline FILE` also times the decoder forward of an older `diffusion_gemma.py` (its
+`decode`, a Python loop over experts) on the same weights, for before/after figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlm_engine import Engine, EngineConfig
+from dlm_engine.loader import LoadedModel, load_checkpoint
+from dlm_engine.models import build_model, detect_family
+from dlm_engine.presets import PRESETS
+
+PRESET = "diffusiongemma-26b-a4b"
+HBM_BYTES_PER_S = 3.35e12  # H100 SXM
+VLLM_ANCHOR = {
+    "source": "vLLM blog 2026-06-10: H100, batch 1, FP8, 4096 in / 512 out, 16 steps fixed",
+    "output_tok_s": 895,
+    "decode_tok_s": 1757,
+    "ttft_ms": 426,
+    "goal_32_concurrent_output_tok_s": 2700,
+}
+
+
+def random_model(device: torch.device) -> LoadedModel:
+    """The published architecture with random bf16 weights, made on `device` directly."""
+    from transformers import AutoTokenizer
+
+    from dlm_engine.decoding.uniform_params import uniform_defaults
+    from dlm_lab.testing_diffusion_gemma import build_gemma_char_tokenizer
+
+    config = json.loads(json.dumps(PRESETS[PRESET]))
+    family = detect_family(config)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = build_model(family, config)
+        model = model.to_empty(device=device)
+    finally:
+        torch.set_default_dtype(default)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("scale"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+        for name, b in model.named_buffers():
+            b.fill_(1.0 if name.endswith("layer_scalar") else 0.0)
+    model.eval().requires_grad_(False)
+    tok_dir = Path(tempfile.mkdtemp(prefix="dlm-gemma-tok-"))
+    build_gemma_char_tokenizer(tok_dir)
+    gen_cfg = {"max_denoising_steps": 16, "stability_threshold": 1, "confidence_threshold": 0.005}
+    (tok_dir / "generation_config.json").write_text(json.dumps(gen_cfg))
+    vocab = int(config["text_config"]["vocab_size"])
+    never = vocab  # a stop id no canvas can hold: the text never ends early
+    return LoadedModel(
+        model,
+        family,
+        config,
+        AutoTokenizer.from_pretrained(str(tok_dir)),
+        -1,
+        never,
+        frozenset({never}),
+        torch.bfloat16,
+        device,
+        tok_dir,
+        uniform_defaults(gen_cfg),
+    )
+
+
+def weight_floor(model: torch.nn.Module) -> dict[str, float]:
+    """Bytes one decoder step reads at least, and that over the HBM bandwidth."""
+    dec = model.model.decoder
+    total = sum(p.numel() * p.element_size() for p in dec.parameters())
+    embed = dec.embed_tokens.weight
+    step_bytes = total + embed.numel() * embed.element_size()  # head + soft embeddings
+    return {
+        "weight_bytes": total,
+        "step_bytes": step_bytes,
+        "floor_ms": 1e3 * step_bytes / HBM_BYTES_PER_S,
+    }
+
+
+class Timers:
+    """Wall time of the encoder calls (prompt vs finished canvas) and CUDA-event time of the
+    decoder forwards, installed on the model instance."""
+
+    def __init__(self, model: Any, cuda: bool) -> None:
+        self.model, self.cuda = model, cuda
+        self.prompt_s = 0.0
+        self.canvas_encode_s = 0.0
+        self.forward_events: list[tuple[Any, Any]] = []
+        encode, hidden = model.encode, model.decode_hidden
+
+        def timed_encode(ids, start, cache):
+            self._sync()
+            t0 = time.perf_counter()
+            encode(ids, start, cache)
+            self._sync()
+            dt = time.perf_counter() - t0
+            if start == 0:
+                self.prompt_s += dt
+            else:
+                self.canvas_encode_s += dt
+
+        def timed_hidden(*args):
+            if not self.cuda:
+                return hidden(*args)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = hidden(*args)
+            b.record()
+            self.forward_events.append((a, b))
+            return out
+
+        model.encode, model.decode_hidden = timed_encode, timed_hidden
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def reset(self) -> None:
+        self.prompt_s = self.canvas_encode_s = 0.0
+        self.forward_events = []
+
+    def forward_ms(self) -> list[float]:
+        return [a.elapsed_time(b) for a, b in self.forward_events]
+
+
+def run_batch(engine: Engine, timers: Timers, batch: int, args, vocab: int) -> dict[str, Any]:
+    cuda = engine.loaded.device.type == "cuda"
+    gen = torch.Generator().manual_seed(batch)
+    prompts = [
+        torch.randint(3, vocab, (args.prompt,), generator=gen).tolist() for _ in range(batch)
+    ]
+    params = {"max_tokens": args.output, "steps": args.steps}
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    timers.reset()
+    t0 = time.perf_counter()
+    ids = [engine.add_request(None, p, params | {"seed": i}) for i, p in enumerate(prompts)]
+    first: dict[str, float] = {}
+    done: dict[str, Any] = {}
+    runner_step = engine.runner.step
+
+    def step_seen(seqs, look_ahead=True):  # a row's first finished canvas: its first tokens
+        windows = runner_step(seqs, look_ahead)
+        if cuda:
+            torch.cuda.synchronize()
+        for seq, window in zip(seqs, windows, strict=True):
+            if window and seq.request_id not in first:
+                first[seq.request_id] = time.perf_counter() - t0
+        return windows
+
+    engine.runner.step = step_seen
+    steps: list[dict[str, float]] = []
+    while engine.has_unfinished():
+        encoded = timers.prompt_s + timers.canvas_encode_s
+        s0, c0 = time.perf_counter(), time.process_time()
+        outs = engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        enc = timers.prompt_s + timers.canvas_encode_s - encoded
+        steps.append({"wall": now - s0, "cpu": time.process_time() - c0, "encode": enc})
+        for o in outs:
+            if o.finished:
+                done[o.request_id] = o
+    e2e = time.perf_counter() - t0
+    engine.runner.step = runner_step
+    tokens = sum(len(done[i].token_ids) for i in ids)
+    plain = [s for s in steps if s["encode"] == 0.0]
+    fwd = timers.forward_ms()
+    decode_s = e2e - timers.prompt_s
+    result = {
+        "batch": batch,
+        "output_tokens": tokens,
+        "engine_steps": len(steps),
+        "step_ms": 1e3 * statistics.median(s["wall"] for s in plain) if plain else None,
+        "step_cpu_ms": 1e3 * statistics.median(s["cpu"] for s in plain) if plain else None,
+        "forward_ms": statistics.median(fwd) if fwd else None,
+        "ttft_ms": 1e3 * statistics.median(first.values()),
+        "e2e_s": e2e,
+        "prompt_encode_s": timers.prompt_s,
+        "canvas_encode_s": timers.canvas_encode_s,
+        "decode_tok_s": tokens / decode_s,
+        "output_tok_s": tokens / e2e,
+        "finish_reasons": sorted({str(done[i].finish_reason) for i in ids}),
+    }
+    if cuda:
+        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return result
+
+
+def baseline_forward(path: str, model: Any, batch: int, args, vocab: int) -> dict[str, Any]:
+    """The older module's decoder forward on the same weights, over a prompt-long cache."""
+    spec = importlib.util.spec_from_file_location("gemma_baseline", path)
+    old = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = old  # its dataclasses look their module up
+    spec.loader.exec_module(old)
+    with torch.device("meta"):
+        base = old.DiffusionGemmaModel(model.arch)
+    base.load_state_dict(model.state_dict(), assign=True)
+    base.eval()
+    dev = next(model.parameters()).device
+    n_layers = len(model.model.decoder.layers)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    caches = []
+    t0 = time.perf_counter()
+    for _ in range(batch):
+        cache = old.RowCache(n_layers)
+        base.encode(torch.randint(3, vocab, (args.prompt,), device=dev, generator=gen), 0, cache)
+        caches.append(cache)
+    torch.cuda.synchronize()
+    encode_s = (time.perf_counter() - t0) / batch
+    L = model.canvas_length
+    canvas = torch.randint(0, vocab, (batch, L), device=dev, generator=gen)
+    soft = [torch.randn(1, L, vocab, device=dev, dtype=torch.bfloat16) for _ in range(batch)]
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        s0 = time.perf_counter()
+        logits = base.decode(canvas, soft, caches)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - s0)
+        del logits
+    return {
+        "batch": batch,
+        "forward_ms": 1e3 * statistics.median(times[1:]),
+        "prompt_encode_s_per_row": encode_s,
+    }
+
+
+def profile_steps(engine: Engine, batch: int, args, vocab: int) -> dict[str, str]:
+    """Two plain denoising steps at `batch` under torch.profiler: the ops by device time and
+    by host time (is a step bound by the GPU or by launching its kernels?)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(7)
+    params = {"max_tokens": engine.loaded.model.canvas_length, "steps": args.steps}
+    for i in range(batch):
+        prompt = torch.randint(3, vocab, (args.prompt,), generator=gen).tolist()
+        engine.add_request(None, prompt, params | {"seed": i})
+    for _ in range(3):  # prompts encoded, two plain steps
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            engine.step()
+        torch.cuda.synchronize()
+    for _ in engine.outputs():
+        pass
+    events = prof.key_averages()
+    tables = {
+        "by_device_time": events.table(sort_by="self_cuda_time_total", row_limit=25),
+        "by_host_time": events.table(sort_by="self_cpu_time_total", row_limit=25),
+    }
+    for name, table in tables.items():
+        print(f"---- profile batch {batch} {name}\n{table}", flush=True)
+    return tables
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="CPU, the tiny test checkpoint")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt", type=int, default=4096)
+    ap.add_argument("--output", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--baseline", help="an older diffusion_gemma.py to time beside (GPU)")
+    ap.add_argument("--baseline-batches", default="1")
+    ap.add_argument("--out", help="write the JSON here too")
+    ap.add_argument("--profile", type=int, default=0, help="profile 2 steps at this batch")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    report: dict[str, Any] = {"preset": PRESET, "anchor": VLLM_ANCHOR}
+    if args.tiny:
+        from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
+
+        ckpt = make_tiny_diffusion_gemma(Path(tempfile.mkdtemp(prefix="dlm-gemma-")))
+        loaded = load_checkpoint(ckpt, dtype="float32")
+        report["preset"] = "tiny test checkpoint (CPU float32)"
+    else:
+        loaded = random_model(torch.device("cuda"))
+        report["device"] = torch.cuda.get_device_name()
+        report["weights"] = "random bf16"
+    report["torch"] = torch.__version__
+    model = loaded.model
+    vocab = int(model.vocab_size)
+    report["conditions"] = {
+        "prompt_tokens": args.prompt,
+        "output_tokens": args.output,
+        "steps_per_canvas": args.steps,
+        "canvas": int(model.canvas_length),
+        "adaptive_stop": "on (never fires with random weights)",
+    }
+    floor = weight_floor(model)
+    floor["floor_decode_tok_s"] = model.canvas_length / args.steps / (floor["floor_ms"] / 1e3)
+    report["floor"] = floor
+    print(json.dumps({"floor": floor}), flush=True)
+    if args.baseline and not args.tiny:
+        report["baseline"] = []
+        for b in (int(x) for x in args.baseline_batches.split(",")):
+            try:
+                row = baseline_forward(args.baseline, model, b, args, vocab)
+            except Exception as exc:  # e.g. out of memory: recorded, the rest still runs
+                row = {"batch": b, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            torch.cuda.empty_cache()
+            report["baseline"].append(row)
+            print(json.dumps({"baseline": row}), flush=True)
+    cfg = EngineConfig(
+        model=PRESET,
+        device=str(loaded.device),
+        dtype="float32" if args.tiny else "bfloat16",
+        max_rows=max(batches),
+        max_prompt=args.prompt + 16,
+        max_canvas=args.output,
+        max_step_tokens=1 << 24,
+        max_queue=4 * max(batches),
+    )
+    engine = Engine(cfg, loaded)
+    timers = Timers(model, loaded.device.type == "cuda")
+    # kernels of every shape a run meets, prompt and finished-canvas encodes included
+    warm = argparse.Namespace(**{**vars(args), "output": 2 * model.canvas_length, "steps": 2})
+    run_batch(engine, timers, 1, warm, vocab)
+    report["runs"] = []
+    for b in batches:
+        try:
+            row = run_batch(engine, timers, b, args, vocab)
+            row["step_vs_floor"] = row["step_ms"] and floor["floor_ms"] / row["step_ms"]
+        except Exception as exc:
+            row = {"batch": b, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            engine = Engine(cfg, loaded)  # rows of the failed run are dropped with it
+        if loaded.device.type == "cuda":
+            torch.cuda.empty_cache()
+        report["runs"].append(row)
+        print(json.dumps(row), flush=True)
+    if args.profile:
+        report["profile"] = profile_steps(engine, args.profile, args, vocab)
+    text = json.dumps(report, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    if any("error" in r for r in report["runs"]):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
