@@ -1,9 +1,11 @@
 """4-bit integer weights with 16-bit activations (W4A16): groups of inputs share a scale and
 a zero point, `w = (q - zero) * scale` with `q` in 0..15.
 
-A denoising step at small batch reads every weight once, so a quarter of bf16's bytes is the
-cheapest step there is; at large token counts the step is bound by the tensor cores instead,
-where the weights are best expanded to the activations' dtype once per product.
+The weights take a quarter of bf16's bytes (plus a float16 scale and a zero point per group),
+so an 8B model's weights take under 6 GB. Speed: a step that reads each weight once could take a
+quarter of bf16's read time, but a diffusion step feeds 32 tokens and more, where the products
+are bound by the tensor cores; the kernels (`int4_kernels.py`) take about bf16's time at a
+few tokens and more beyond, so int4 is the memory path, not the fast one (docs/benchmarks.md).
 
 Two sources of int4 weights, one layer type (`Int4Linear`):
 - a bf16/fp32 checkpoint quantized at load (`--quantization int4`): asymmetric round-to-nearest

@@ -8,7 +8,11 @@ Two products, chosen per M by `DISPATCH`:
   by cuBLAS, for large M where the product is bound by the tensor cores and cuBLAS's tiles beat
   the fused kernel's.
 The table is what `benchmarks/gpu_check_int4.py` measured fastest on an H100 over the
-LLaDA-8B-sized layers; that script's sweep prints the table for another GPU.
+LLaDA-8B-sized layers with 16-bit activations (the W4A8 tiles, e4m3 activations, are measured
+too but not dispatched: they round the activations, which GPTQ/AWQ checkpoints are not
+calibrated for); that script's sweep prints the table for another GPU. None of these products
+beats bf16's cuBLAS time at a step's token counts on the H100 (docs/benchmarks.md, "4-bit
+weights"): the int4 path saves memory, not time.
 """
 
 from __future__ import annotations
@@ -36,9 +40,9 @@ class Tile:
 
 # (largest M, tile; None: dequantize then cuBLAS), the first entry whose bound holds wins
 DISPATCH: list[tuple[int, Tile | None]] = [
-    (16, Tile(16, 64, 128, split_k=4, warps=4, stages=4)),
-    (64, Tile(32, 128, 128, warps=4, stages=4)),
-    (256, Tile(64, 128, 64, warps=4, stages=4)),
+    (16, Tile(16, 64, 128, split_k=4, warps=4, stages=3, swap=True)),
+    (32, Tile(32, 64, 128, split_k=4, warps=4, stages=3, swap=True)),
+    (128, Tile(64, 128, 64, warps=4, stages=4)),
     (1 << 62, None),
 ]
 

@@ -3,8 +3,8 @@
 `fp8`: e4m3 weights with per-channel scales and per-token activation scales (`fp8.py`); native
 FP8 products on Ada/Hopper GPUs, dequantized elsewhere, the MoE experts included.
 `int4`: 4-bit integer weights in groups of 128 with 16-bit activations (`int4.py`): Triton
-kernels on CUDA (a quarter of bf16's weight bytes), dequantized elsewhere; the MoE experts stay
-in the model dtype. The fast 4-bit path; GPTQ/AWQ checkpoints load into the same layers.
+kernels on CUDA, dequantized elsewhere; the MoE experts stay in the model dtype. A quarter of
+bf16's weight bytes, faster than `nf4`; GPTQ/AWQ checkpoints load into the same layers.
 `int8` (LLM.int8) and `nf4`: bitsandbytes weight-only layers, CUDA only.
 Each replaces the `nn.Linear` layers inside the blocks (fused or not); the embeddings and the
 output head stay in the model dtype, as is usual for these schemes.
