@@ -3,7 +3,7 @@ or SIGKILL, no teardown) leaves no tritonserver, Python stub or OpenAI proxy beh
 
 Children are started with a parent-death signal (`dlm_triton.launch.procs.spawn`), also when the
 thread that asked for them has ended (the supervisor's restarts); the stubs, which tritonserver
-starts, end themselves once tritonserver is gone (`procs.exit_when_orphaned`).
+starts, end themselves once tritonserver is gone (`orphan.exit_when_orphaned`).
 """
 
 from __future__ import annotations
