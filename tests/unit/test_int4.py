@@ -169,3 +169,16 @@ def test_4bit_checkpoints_refuse_what_they_cannot_compute(tmp_path: Path) -> Non
     config_file.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="checkpoint_format 'marlin'"):
         load_checkpoint(tmp_path / "int4")
+
+
+def test_moe_checkpoint_keeps_attention_in_int4_and_dequantizes_routed_experts(
+    tmp_path: Path,
+) -> None:
+    src = make_tiny_checkpoint(tmp_path / "src", "llada2", seed=7)
+    ref_dir = tmp_path / "dequantized"
+    write_int4_checkpoint(src, tmp_path / "int4", group=32, dequantized_dir=ref_dir)
+    lm = load_checkpoint(tmp_path / "int4")
+    names = [n for n, m in lm.model.named_modules() if isinstance(m, Int4Linear)]
+    assert any("attention" in n for n in names) and any("shared_experts" in n for n in names)
+    assert not any(".experts." in n for n in names)  # stacked for the grouped GEMMs instead
+    torch.testing.assert_close(_logits(lm), _logits(load_checkpoint(ref_dir)), rtol=1e-4, atol=1e-4)
