@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .decoding.commit_rules import RANK, rule_code
+from .decoding.commit_rules import RANK
 from .ragged import PackedPlan
 
 
@@ -50,13 +50,12 @@ def stays_in_block(seq) -> bool:
     and the row is not at a cache refresh (the next query would be its first span). Rows whose
     count depends on the logits (thresholds, Dream's `origin` draws), block-diffusion,
     multi-block and editing rows are not predicted."""
-    p = seq.params
-    if seq.layout is not None or seq.multi is not None or seq.mbd is not None or seq.editing:
+    if seq.paged or seq.multi is not None or seq.mbd is not None or seq.editing:
         return False
-    if p.cache != "none" and seq.refreshing:
+    if seq.slot_cached and seq.refreshing:
         return False
-    if p.algorithm == "origin" or seq.last_forward:
+    if seq.rule.draws_positions or seq.last_forward:
         return False
-    if rule_code(p.algorithm, seq.uses_threshold) != RANK:
+    if seq.rule.rule_code(seq.uses_threshold) != RANK:
         return False
     return seq.masks_in_block - seq.transfer_count() > 0

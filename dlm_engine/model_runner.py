@@ -26,6 +26,7 @@ from .decoding.logit_bias import LogitBiasStep
 from .decoding.proposals import safe_probabilities
 from .kv_cache import KVPool
 from .lookahead import Lookahead, stays_in_block
+from .models import Family, family_of
 from .models.common import FusedKernels
 from .paged_kv import PagePool, page_size, pool_pages
 from .prefix_cache import PrefixCache
@@ -46,8 +47,9 @@ log = logging.getLogger(__name__)
 
 
 def _fast_dllm_rows(seqs: list[Sequence]) -> list[Sequence]:
-    """Rows with a Fast-dLLM cache (prefix or dual): their keys live in the KV pool."""
-    return [s for s in seqs if s.params.cache != "none" and s.layout is None]
+    """Rows whose strategy keeps their keys in a KV slot of the pool (Fast-dLLM's prefix or
+    dual cache, d3LLM's delayed cache)."""
+    return [s for s in seqs if s.slot_cached]
 
 
 class ModelRunner:
@@ -56,7 +58,7 @@ class ModelRunner:
     def __init__(
         self,
         model: nn.Module,
-        family: str,
+        family: Family | str,
         mask_id: int,
         eos_id: int,
         pad_id: int,
@@ -70,7 +72,7 @@ class ModelRunner:
         lookahead: bool = True,
     ) -> None:
         self.model = model
-        self.family = family
+        self.family = family_of(family)
         self.mask_id = mask_id
         self.eos_id = eos_id
         self.pad_id = pad_id
@@ -135,7 +137,7 @@ class ModelRunner:
         rows of classifier-free guidance (prompt masked). Cached rows store their keys."""
         rows: list[RowQuery] = []
         for s in seqs:
-            if s.layout is not None:  # block diffusion: from the first non-final key on
+            if s.paged:  # block diffusion: from the first non-final key on
                 end = s.block_end
                 toks = s.tokens[s.kv_upto : end]
                 table = self.block_pages.rows[s.request_id].table
@@ -143,8 +145,8 @@ class ModelRunner:
                     RowQuery(toks, s.kv_upto, end, s.window_start, None, s.layout.block, table)
                 )
                 continue
-            slot = self.slots[s.request_id] if s.params.cache != "none" else None
-            if s.params.cache == "none" or s.refreshing:
+            slot = self.slots[s.request_id] if s.slot_cached else None
+            if not s.slot_cached or s.refreshing:
                 rows.append(RowQuery(s.tokens, 0, s.length, s.window_start, slot))
             elif s.multi is not None:  # d3LLM's delayed cache: the suffix from the cache's end
                 start = s.prompt_len + s.multi.cache_step()[1]
@@ -172,7 +174,7 @@ class ModelRunner:
             self.refreshes += any(s.refreshing for s in fast)
             self.span_steps += any(not s.refreshing for s in fast)
         pool = self.pool if fast else None
-        blocks = [s for s in seqs if s.layout is not None]
+        blocks = [s for s in seqs if s.paged]
         for s in blocks:  # pages up to the active block's end, from the row's reservation
             self.block_pages.grow(s)
         pages = self.block_pages.pool if blocks else None
@@ -223,7 +225,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Queue the packed forward of `plan`, the output head at every row's window and
         classifier-free guidance's mix: (logits, current window tokens)."""
-        blocks = [s for s in seqs if s.layout is not None]
+        blocks = [s for s in seqs if s.paged]
         fn = packed_forward_fn(self.model, pool, width, plan.layout, pages)
         key = ("packed", self._pool_id(), width, plan.layout)
         hidden = self._run(key, fn, plan.inputs, plan.layout)[: plan.rows]
@@ -339,14 +341,14 @@ class ModelRunner:
 
     def admit(self, seq: Sequence) -> bool:
         """Scheduler hook: a block row joins only with its pages reserved (else it waits)."""
-        if seq.layout is None or self.block_pages is None:
+        if not seq.paged or self.block_pages is None:
             return True
         return self.block_pages.admit(seq)
 
     def fits_pool(self, seq: Sequence) -> bool:
         """A block row's worst case fits the whole pool (else it could never run)."""
         bp = self.block_pages
-        return seq.layout is None or bp is None or bp.worst_case(seq) <= bp.pool.pages
+        return not seq.paged or bp is None or bp.worst_case(seq) <= bp.pool.pages
 
     # ---- KV pool ----------------------------------------------------------------------------
     def _pool_id(self) -> int:
@@ -406,7 +408,7 @@ class ModelRunner:
         rows = [
             RowDecode(
                 width=s.window_width,
-                algorithm=s.params.algorithm,
+                confidence=s.rule.confidence,
                 temperature=s.params.temperature,
                 top_p=s.params.top_p,
                 top_k=s.params.top_k,
@@ -416,7 +418,7 @@ class ModelRunner:
             for s in seqs
         ]
         index = RowIndex.build(rows, dev)
-        plan = CommitPlan([row_rule(s, self.family) for s in seqs], dev)
+        plan = CommitPlan([row_rule(s) for s in seqs], dev)
         k = plan.k
         constrained = (
             ConstrainedStep(self.constraint_runtime, seqs) if self.constraint_runtime else None
@@ -481,7 +483,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Rows that pick positions at random: Dream's `origin` and `alg_temp` sampling."""
         for i, s in enumerate(seqs):
-            if s.params.algorithm == "origin":
+            if s.rule.draws_positions:
 
                 def origin(i: int = i, s: Sequence = s) -> None:
                     m = masked[i]

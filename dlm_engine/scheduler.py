@@ -79,7 +79,7 @@ class Scheduler:
         """True when nothing runs and a cached row waits: the next step starts the block phase
         that later cached rows must join (the engine loop may gather a burst first). Not while
         rows run: waiting then would slow their steps."""
-        return not self.running and any(_phased(s) for s in self.waiting)
+        return not self.running and any(s.phased for s in self.waiting)
 
     def running_tokens(self) -> int:
         """Tokens the running rows feed this step's forward (scoring earns its share of the
@@ -95,12 +95,12 @@ class Scheduler:
     def _cached_rows_in_phase(self) -> bool:
         """True when a cached row joining now would refresh together with the running ones.
         Fast-dLLM rows only: a multi-block row's cache follows its own blocks (no block start)."""
-        cached = [s for s in self.running if _phased(s)]
+        cached = [s for s in self.running if s.phased]
         return not cached or any(s.step_in_block == 0 for s in cached)
 
     def _hold(self, seq: Sequence) -> bool:
         """Hold a cached row back one more step, unless it has waited long enough."""
-        if not _phased(seq) or self.phase_wait_steps <= 0:
+        if not seq.phased or self.phase_wait_steps <= 0:
             return False
         held = self._held.get(seq.request_id, 0)
         if held >= self.phase_wait_steps:
@@ -132,12 +132,6 @@ def _budget_use(seqs: Collection[Sequence]) -> tuple[int, int]:
     """The rows and tokens these requests take of a step's `max_rows` / `max_step_tokens`
     (classifier-free guidance counts a row twice)."""
     return sum(s.rows for s in seqs), sum(s.step_tokens * s.rows for s in seqs)
-
-
-def _phased(seq: Sequence) -> bool:
-    """A Fast-dLLM cached row: it refreshes at each block start, so the rows of a step share a
-    phase (a multi-block row's cache follows its own blocks)."""
-    return seq.params.cache != "none" and seq.multi is None
 
 
 def _priority(seq: Sequence) -> int:

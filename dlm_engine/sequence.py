@@ -9,13 +9,15 @@ import torch
 
 from .block_diffusion import BlockLayout
 from .decoding import DreamSchedule, llada_block_schedule
-from .decoding.multi_bd import MultiBDState
-from .decoding.multi_block import DelayedCache, MultiBlockState
+from .decoding.strategies import row_strategy, strategy_of
+from .models import Family, family_of
 from .sampling_params import ResolvedParams
 
 if TYPE_CHECKING:
     from .decoding.constraints import RowConstraint
     from .decoding.logprobs import TokenLogprob
+    from .decoding.multi_bd import MultiBDState
+    from .decoding.multi_block import MultiBlockState
 
 
 class Sequence:
@@ -31,7 +33,7 @@ class Sequence:
         prompt_ids: list[int],
         params: ResolvedParams,
         *,
-        family: str,
+        family: Family | str,
         mask_id: int,
         device: torch.device,
         stop_ids: frozenset[int] = frozenset(),
@@ -40,7 +42,7 @@ class Sequence:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
-        self.family = family
+        self.family = family_of(family)
         self.mask_id = mask_id
         self.prompt_len = len(prompt_ids)
         # block-diffusion rows decode absolute-aligned blocks over an exact KV cache
@@ -54,16 +56,26 @@ class Sequence:
         self.kv_upto = 0
         # prompt tokens whose keys came from the prefix cache (usage's `cached_tokens`)
         self.cached_tokens = 0
-        # LLaDA2.1 token editing (joint_threshold): a block stays editable until it ends, so
-        # only the canvas before `final_upto` (canvas-relative) is final
-        self.editing = bool(self.layout) and params.algorithm == "joint_threshold"
+        # the row's decoding strategy (decoding/strategies/): `rule` is its algorithm's
+        # commit rule, `strategy` what runs the row (multi-block decoding, or the rule itself)
+        self.rule = strategy_of(params.algorithm)
+        self.strategy = row_strategy(params)
+        self.slot_cached = self.strategy.slot_cached(params)  # keys in a KV slot of the pool
+        self.phased = self.strategy.phased(params)  # refreshes at block starts with the others
+        self.paged = self.strategy.paged  # keys in pages of finished blocks
+        # per-row state the strategy sets up: token editing (a block stays editable until it
+        # ends, so only the canvas before `final_upto` is final), d3LLM's blocks in flight,
+        # Diffulex's running set
+        self.editing = False
+        self.multi: MultiBlockState | None = None
+        self.mbd: MultiBDState | None = None
         self.post_edits = 0
         self.block_forwards = 0
         canvas_len = self.layout.canvas_len if self.layout else params.max_tokens
         self.tokens = torch.tensor(prompt_ids + [mask_id] * canvas_len, device=device)
         self.canvas: list[int] = [mask_id] * canvas_len
         self.generator: torch.Generator | None = None
-        if params.temperature > 0 or params.algorithm in ("random", "origin") or params.alg_temp:
+        if params.temperature > 0 or self.rule.needs_generator or params.alg_temp:
             self.generator = torch.Generator(device=device)
             if params.seed is None:
                 self.generator.seed()
@@ -84,36 +96,7 @@ class Sequence:
         self.logprobs: dict[int, TokenLogprob] = {}
         self._llada_schedule = llada_block_schedule(params.block_length, params.steps_per_block)
         self._dream_schedule = DreamSchedule(params.steps_per_block)
-        self.multi = (  # d3LLM multi-block decoding: several blocks in flight
-            MultiBlockState(
-                params.max_tokens,
-                params.block_length,
-                params.accel,
-                cache=DelayedCache(
-                    self.prompt_len,
-                    params.accel.cache_delay_iter,
-                    params.accel.refresh_interval,
-                    walk_stops=family != "dream",  # d3LLM's LLaDA loop breaks, Dream's not
-                )
-                if params.cache == "prefix"
-                else None,
-                eos_id=eos_id if params.accel.early_stop else None,
-            )
-            if params.accel.multi_block
-            else None
-        )
-        # Diffulex multi-block diffusion: a running set of several blocks
-        self.mbd = (
-            MultiBDState(
-                self.layout,
-                buffer_size=params.buffer_size,
-                add_block_threshold=params.add_block_threshold,
-                semi_complete_threshold=params.semi_complete_threshold,
-                stop_ids=stop_ids,
-            )
-            if self.layout is not None and params.algorithm == "multi_bd"
-            else None
-        )
+        self.strategy.init_row(self, eos_id=eos_id, stop_ids=stop_ids)
         self.masks_in_block = self.window_width
 
     @property
@@ -190,7 +173,7 @@ class Sequence:
         """Tokens the family's schedule commits at this step (unused in threshold mode)."""
         if self.step_in_block >= self.params.steps_per_block or self.last_forward:
             return self.masks_in_block  # budget spent: commit what is left
-        if self.family == "llada" or self.layout is not None:  # SDAR / LLaDA2: the same
+        if self.family.linear_schedule:
             return self._llada_schedule[self.step_in_block]
         return self._dream_schedule.count(self.step_in_block, self.masks_in_block)
 

@@ -72,6 +72,12 @@ def usage_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def algorithms_table() -> str:
+    from dlm_engine.decoding.strategies import algorithms_table as table  # the registry
+
+    return table()
+
+
 def models_table() -> str:
     from dlm_triton.launch.model_table import markdown  # torch, only when this section is rendered
 
@@ -83,6 +89,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "inputs": inputs_table,
     "outputs": outputs_table,
     "usage": usage_table,
+    "algorithms": algorithms_table,
 }
 README_SECTIONS: dict[str, Callable[[], str]] = {"models": models_table}
 TRITON_SECTIONS: dict[str, Callable[[], str]] = {"settings": settings.markdown}

@@ -31,26 +31,9 @@ import torch.nn.functional as F
 
 from ..staging import to_device
 
+# the vectorised rules; each decoding strategy names its own (decoding/strategies/)
 RANK, THRESHOLD, FACTOR, ENTROPY, LEAP, SEQUENTIAL, DYNAMIC, BOUNDED, JOINT, MULTI_BD = range(10)
-_CODES = {
-    "factor": FACTOR,
-    "entropy_threshold": ENTROPY,
-    "local_leap": LEAP,
-    # SDAR's remasking strategies (LLaDA2's threshold rule is `DYNAMIC`)
-    "low_confidence_static": RANK,
-    "sequential": SEQUENTIAL,
-    "low_confidence_dynamic": DYNAMIC,
-    "entropy_bounded": BOUNDED,
-    "joint_threshold": JOINT,  # LLaDA2.1 token editing
-    "multi_bd": MULTI_BD,  # Diffulex multi-block diffusion
-}
 _SCHEDULED = (RANK, LEAP, SEQUENTIAL, DYNAMIC)  # rules that take the step schedule's k
-
-
-def rule_code(algorithm: str, uses_threshold: bool) -> int:
-    if algorithm in _CODES:
-        return _CODES[algorithm]
-    return THRESHOLD if uses_threshold else RANK
 
 
 @dataclass
@@ -296,12 +279,13 @@ class CommitPlan:
         return chosen
 
 
-def row_rule(seq, family: str) -> RowRule:
-    """The commit rule of one `Sequence` for its next step."""
+def row_rule(seq) -> RowRule:
+    """The commit rule of one `Sequence` for its next step: its strategy's rule, with the
+    family's variant of d3LLM's entropy comparisons."""
     p = seq.params
     a = p.accel
-    code = rule_code(p.algorithm, seq.uses_threshold)
-    if seq.layout is not None and seq.last_forward:
+    code = seq.rule.rule_code(seq.uses_threshold)
+    if seq.paged and seq.last_forward:
         code = RANK  # max_nfe spent: the rest of the block (multi_bd: running set) at once
     blocks = None
     if code == MULTI_BD:
@@ -314,7 +298,7 @@ def row_rule(seq, family: str) -> RowRule:
         if span is not None:
             lo = seq.window_start - seq.prompt_len
             forced = (span[0] - lo, span[1] - lo)
-    dream = family == "dream"
+    loop = seq.family.d3llm_loop
     return RowRule(
         code=code,
         k=seq.transfer_count() if code in _SCHEDULED else 0,
@@ -323,9 +307,9 @@ def row_rule(seq, family: str) -> RowRule:
         anchor=a.anchor_threshold,
         neighbor=a.neighbor_threshold,
         radius=a.leap_radius,
-        entropy_f64=not dream or multi,  # d3LLM's Dream single-block loop: logits' dtype
-        strict=dream,
-        keep_best=not (dream and multi),
+        entropy_f64=loop.single_block_f64 or multi,
+        strict=loop.strict,
+        keep_best=loop.multi_block_keeps_best or not multi,
         forced=forced,
         edit=p.edit_threshold if code == JOINT else float("nan"),
         blocks=blocks,

@@ -130,7 +130,7 @@ class ConstrainedStep:
             first = s.window_width - s.masks_in_block
             if s.uses_threshold:
                 budget, thr = s.masks_in_block, s.params.threshold
-            elif s.params.algorithm == "origin":
+            elif s.rule.draws_positions:
                 budget = max(1, round(s.masks_in_block * s.origin_probability()))
                 thr = None
             else:

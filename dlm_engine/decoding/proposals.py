@@ -14,9 +14,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..models import Family, family_of
 from ..row_guard import RowGuard
 from ..staging import to_device
 from .filters import top_k_logits, top_p_logits
+
+# how a row's positions are scored before its commit rule ranks them (a strategy's
+# `confidence`): the proposal's probability, the top-two margin, the negative entropy, or
+# uniform random draws
+PROBABILITY, MARGIN, NEG_ENTROPY, RANDOM = "probability", "margin", "neg_entropy", "random"
 
 
 @dataclass
@@ -24,7 +30,7 @@ class RowDecode:
     """One row's decoding settings for this step."""
 
     width: int  # valid positions in the row's window
-    algorithm: str
+    confidence: str  # how its positions are scored: its strategy's `confidence`
     temperature: float
     top_p: float | None
     top_k: int | None
@@ -59,16 +65,14 @@ class RowIndex:
 
         return cls(
             suppress=idx(lambda r: r.suppress_eos),
-            margin=idx(lambda r: r.algorithm == "topk_margin"),
-            entropy=idx(lambda r: r.algorithm == "entropy"),
-            keep_best=to_device(
-                [r.algorithm not in ("topk_margin", "entropy") for r in rows], device
-            ),
+            margin=idx(lambda r: r.confidence == MARGIN),
+            entropy=idx(lambda r: r.confidence == NEG_ENTROPY),
+            keep_best=to_device([r.confidence not in (MARGIN, NEG_ENTROPY) for r in rows], device),
         )
 
 
 def _alt_confidence(conf: torch.Tensor, probs: torch.Tensor, index: RowIndex) -> torch.Tensor:
-    """Swap in margin / negative-entropy confidences for the rows whose algorithm asks."""
+    """Swap in margin / negative-entropy confidences for the rows whose strategy asks."""
     for sel, fn in ((index.margin, _margin), (index.entropy, _neg_entropy)):
         if sel is not None:
             conf[sel] = fn(probs[sel]).to(conf.dtype)
@@ -76,7 +80,7 @@ def _alt_confidence(conf: torch.Tensor, probs: torch.Tensor, index: RowIndex) ->
 
 
 def propose(
-    family: str,
+    family: Family | str,
     logits: torch.Tensor,
     rows: list[RowDecode],
     index: RowIndex,
@@ -92,7 +96,7 @@ def propose(
     guard = guard or RowGuard(len(rows), logits.device)
     if index.suppress is not None:  # index_fill_: a scalar put by index would wait for the GPU
         logits[:, :, eos_id].index_fill_(0, index.suppress, -torch.inf)
-    if family == "llada":
+    if family_of(family).gumbel_proposals:
         return _propose_llada(logits, rows, index, mask_id, guard)
     return _propose_dream(logits, rows, index, mask_id, guard)
 
@@ -122,7 +126,7 @@ def _propose_llada(
             guard.run(i, sample)
     conf = torch.gather(probs, -1, x0[..., None]).squeeze(-1)
     for i, r in enumerate(rows):
-        if r.algorithm == "random":
+        if r.confidence == RANDOM:
             conf[i, : r.width] = torch.rand(
                 r.width, dtype=torch.float64, device=conf.device, generator=r.generator
             )

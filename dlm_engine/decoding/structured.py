@@ -14,6 +14,7 @@ from typing import Any
 from ..sampling_params import ResolvedParams
 from .constraints import ConstraintRuntime, RowConstraint
 from .grammar import GrammarCompiler, error_field
+from .strategies import strategy_of
 
 
 class StructuredOutput:
@@ -62,6 +63,6 @@ class StructuredOutput:
 def tokens_per_step(p: ResolvedParams) -> int:
     """The most tokens a constrained row commits in one step: its block in threshold mode
     (while confident) and with Dream's `origin`, else its schedule's share of the block."""
-    if p.threshold is not None or p.algorithm == "origin" or p.accel.multi_block:
+    if p.threshold is not None or strategy_of(p.algorithm).draws_positions or p.accel.multi_block:
         return p.block_length
     return math.ceil(p.block_length / max(1, p.steps_per_block))
