@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from dlm_triton.backend.step_metrics import (
     StepFigures,
     StepMetrics,
 )
+
+if TYPE_CHECKING:
+    from dlm_engine.outputs import RequestOutput
 
 try:  # only importable inside the Python backend stub
     import triton_python_backend_utils as pb_utils
@@ -156,11 +159,11 @@ class TritonPythonModel:
         tokens = None if cache is None else (cache.lookup_tokens, cache.hit_tokens)
         self.step_metrics.add(StepFigures(rows, self.engine.last_step_seconds, tokens))
 
-    def _on_output(self, live: _Live, out: Any) -> None:
+    def _on_output(self, live: _Live, out: RequestOutput) -> None:
         """Engine thread. A streamed request's outputs, every final one and every error go to
         the sender; a non-streamed request's others only leave their first-text time and
         logprobs here, so a lone request's steps never wake the sender thread."""
-        if live.stream or out.finished or getattr(out, "error", None):
+        if live.stream or out.finished or out.error:
             self._outbox.put((live, out))
             return
         if out.delta_text and live.first_text_at is None:
@@ -296,12 +299,11 @@ class TritonPythonModel:
             except Exception as exc:  # a metric must not stop the responses
                 pb_utils.Logger.log_warn(f"step metrics: {exc}")
 
-    def _deliver(self, live: _Live, out: Any) -> None:
+    def _deliver(self, live: _Live, out: RequestOutput) -> None:
         if live.closed:
             return
-        error = getattr(out, "error", None)
-        if error:
-            message = str(error)
+        if out.error:
+            message = str(out.error)
             if not message.startswith(ERROR_PREFIXES):
                 message = f"{PREFIX_INTERNAL} {message}"
             self._fail(live, message)
@@ -325,7 +327,9 @@ class TritonPythonModel:
             self._send(live, self._response(text or "", reason, out, logprobs), final=True)
         self._record_request(live, out, reason, finished_at)
 
-    def _record_request(self, live: _Live, out: Any, reason: str, finished_at: float) -> None:
+    def _record_request(
+        self, live: _Live, out: RequestOutput, reason: str, finished_at: float
+    ) -> None:
         """A finished request's metrics, right after its final response: six round trips to
         tritonserver that would otherwise stand between the last step and the answer (a
         client reading the metrics at once may be a moment early)."""
@@ -344,11 +348,11 @@ class TritonPythonModel:
             self.metrics.ttft.observe(live.first_text_at - live.t0)
 
     def _response(
-        self, text: str, finish_reason: str, out: Any, logprobs: list | None = None
+        self, text: str, finish_reason: str, out: RequestOutput, logprobs: list | None = None
     ) -> Any:
-        canvas = json.dumps(out.canvas) if getattr(out, "canvas", None) is not None else ""
+        canvas = json.dumps(out.canvas) if out.canvas is not None else ""
         if logprobs is None:
-            logprobs = getattr(out, "logprobs", None)
+            logprobs = out.logprobs
         values = {
             tensors.TEXT_OUTPUT: text,
             tensors.FINISH_REASON: finish_reason,
@@ -360,10 +364,10 @@ class TritonPythonModel:
             tensors.CANVAS: canvas,
             tensors.LOGPROBS: "" if logprobs is None else json.dumps(logprobs, ensure_ascii=False),
             tensors.TOOL_CALLS: json.dumps(out.tool_calls, ensure_ascii=False)
-            if getattr(out, "tool_calls", None)
+            if out.tool_calls
             else "",
-            tensors.SCORE: json.dumps(out.score) if getattr(out, "score", None) else "",
-            tensors.CACHED_TOKENS: getattr(out, "cached_tokens", 0),
+            tensors.SCORE: json.dumps(out.score) if out.score else "",
+            tensors.CACHED_TOKENS: out.cached_tokens,
         }
         return pb_utils.InferenceResponse(
             output_tensors=[_output_tensor(spec, values[spec]) for spec in tensors.OUTPUTS]
