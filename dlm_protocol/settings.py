@@ -29,7 +29,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
 # weight quantization schemes the engine implements (dlm_engine/quantization.py)
 QUANTIZATIONS = ("fp8", "int4", "int8", "nf4")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-_KIND_TYPES = {"int": "int", "float": "float", "str": "str", "bool": "bool"}
+KINDS = ("int", "float", "str", "bool")  # also the EngineConfig fields' types
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Setting:
     default_doc: str = ""  # the docs' default when the value alone does not say it
 
     def __post_init__(self) -> None:
-        if self.kind not in _KIND_TYPES:
+        if self.kind not in KINDS:
             raise ValueError(f"setting {self.name}: unknown kind {self.kind!r}")
         object.__setattr__(self, "param", self.param or self.name)
         object.__setattr__(self, "env", self.env or f"DLM_{self.param.upper()}")
@@ -67,8 +67,7 @@ class Setting:
     @property
     def annotation(self) -> str:
         """The ``EngineConfig`` field's type."""
-        base = _KIND_TYPES[self.kind]
-        return f"{base} | None" if self.optional else base
+        return f"{self.kind} | None" if self.optional else self.kind
 
     def check(self, value: Any) -> Any:
         """``value`` if it is allowed; otherwise ValueError saying what is (without the name:
@@ -78,7 +77,7 @@ class Setting:
                 return None
             raise ValueError("must be set")
         if self.kind in ("int", "float") and isinstance(value, bool):
-            raise ValueError(f"must be {_A[self.kind]}, got {value!r}")
+            raise ValueError(f"must be a number, not a boolean, got {value!r}")
         if self.kind == "int" and not isinstance(value, int):
             raise ValueError(f"must be an integer, got {value!r}")
         finite = isinstance(value, (int, float)) and math.isfinite(value)
@@ -165,9 +164,6 @@ class Setting:
         return f"{kind} {self.range_text}".strip()
 
 
-_A = {"int": "an integer", "float": "a number"}
-
-
 def _num(x: float | None) -> str:
     return f"{x:g}" if isinstance(x, float) else str(x)
 
@@ -194,9 +190,9 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError(f"must be true or false, got {raw!r}")
 
 
-def _ms(doc: str, default: float) -> Setting:
-    name = doc.split(":", 1)[0]
-    return Setting(name, "float", default, doc.split(": ", 1)[1], minimum=0.0, maximum=60_000.0)
+def _ms(name: str, default: float, doc: str) -> Setting:
+    """A wait in milliseconds, at most a minute."""
+    return Setting(name, "float", default, doc, minimum=0.0, maximum=60_000.0)
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -290,18 +286,20 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=0,
     ),
     _ms(
-        "admission_window_ms: an idle engine that receives a cached request keeps gathering "
+        "admission_window_ms",
+        250.0,
+        "an idle engine that receives a cached request keeps gathering "
         "arrivals for at most this long before the first step, so a burst starts its first "
         "block together; 0 turns it off; exact requests never wait (docs/architecture.md, "
         '"Gathering a burst")',
-        250.0,
     ),
-    _ms("admission_gap_ms: ... and stops gathering once no request arrived for this long", 8.0),
+    _ms("admission_gap_ms", 8.0, "... and stops gathering once no request arrived for this long"),
     _ms(
-        "admission_burst_gap_ms: ... or, once a second request has come, for this long (a "
+        "admission_burst_gap_ms",
+        40.0,
+        "... or, once a second request has come, for this long (a "
         "burst's arrivals through the proxy can pause mid-way, while a lone request pays only "
         "the short gap)",
-        40.0,
     ),
     Setting(
         "score_step_tokens",

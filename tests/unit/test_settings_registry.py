@@ -85,7 +85,7 @@ def test_engine_config_checks_come_from_the_registry() -> None:
         EngineConfig(model="x", max_queue=0)
     with pytest.raises(ValueError, match=r"EngineConfig\.cuda_graphs must be true or false"):
         EngineConfig(model="x", cuda_graphs="yes")
-    with pytest.raises(ValueError, match=r"EngineConfig\.max_rows must be an integer"):
+    with pytest.raises(ValueError, match=r"EngineConfig\.max_rows must be a number, not a boolean"):
         EngineConfig(model="x", max_rows=True)
 
 
