@@ -13,6 +13,7 @@ from torch import nn
 
 from ..config import EngineConfig
 from ..fp8_checkpoint import fp8_format
+from ..gptq_checkpoint import int4_format
 from ..hub import resolve_checkpoint
 from ..loader import LoadedModel, load_checkpoint
 from ..models import Family, build_model, detect_family
@@ -34,6 +35,10 @@ def check_supported(config: EngineConfig, raw: dict[str, Any], family: Family) -
         raise ValueError(
             f"quantization={config.quantization} is not supported with "
             f"tensor_parallel_size {world} yet"
+        )
+    if int4_format(raw) is not None:
+        raise ValueError(
+            f"GPTQ/AWQ checkpoints are not supported with tensor_parallel_size {world} yet"
         )
     if fp8_format(raw) is not None:
         raise ValueError(f"FP8 checkpoints are not supported with tensor_parallel_size {world} yet")

@@ -182,3 +182,15 @@ def test_moe_checkpoint_keeps_attention_in_int4_and_dequantizes_routed_experts(
     assert any("attention" in n for n in names) and any("shared_experts" in n for n in names)
     assert not any(".experts." in n for n in names)  # stacked for the grouped GEMMs instead
     torch.testing.assert_close(_logits(lm), _logits(load_checkpoint(ref_dir)), rtol=1e-4, atol=1e-4)
+
+
+def test_tensor_parallel_refuses_4bit_checkpoints_by_name(tmp_path: Path) -> None:
+    from dlm_engine.models import LLADA
+    from dlm_engine.parallel.start import check_supported
+
+    src = _tiny(tmp_path, 8)
+    write_int4_checkpoint(src, tmp_path / "int4")
+    raw = json.loads((tmp_path / "int4" / "config.json").read_text())
+    config = EngineConfig(model=str(tmp_path / "int4"), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="GPTQ/AWQ checkpoints are not supported"):
+        check_supported(config, raw, LLADA)
