@@ -51,7 +51,8 @@ def resolve_settings(
 ) -> InstanceSettings:
     """Merge config parameters and env overrides; pin ``cuda`` to this instance's GPU."""
     env = os.environ if environ is None else environ
-    merged = {k: v for k, v in params.items() if v != ""}
+    # upper-case keys are the Python backend's own (EXECUTION_ENV_PATH, ...), not settings
+    merged = {k: v for k, v in params.items() if v != "" and not k.isupper()}
     for setting in settings.SETTINGS:
         if env.get(setting.env):
             merged[setting.param] = env[setting.env]

@@ -78,6 +78,8 @@ def test_parameters_and_env_reach_the_engine_config_typed() -> None:
     assert config.prefix_cache_tokens == EngineConfig(model="x").prefix_cache_tokens
     with pytest.raises(ValueError, match="'max_rowz' is no server setting"):
         resolve_settings({"checkpoint": "x", "max_rowz": "4"}, environ={})
+    backend_own = {"checkpoint": "x", "EXECUTION_ENV_PATH": "$$TRITON_MODEL_DIRECTORY/env"}
+    assert resolve_settings(backend_own, environ={}).values == {"model": "x", "device": "cpu"}
 
 
 def test_engine_config_checks_come_from_the_registry() -> None:
