@@ -207,11 +207,12 @@ class Int4Linear(nn.Module):
 
 def quantize_int4(model: nn.Module, head: nn.Module | None, group: int = GROUP_SIZE) -> int:
     """Replace every `nn.Linear` but the output head by an `Int4Linear`; returns how many.
-    Stacked MoE expert weights stay in the model dtype."""
+    Stacked MoE expert weights, and layers whose inputs do not pack eight to an int32, stay
+    in the model dtype."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child is not head:
+            if isinstance(child, nn.Linear) and child is not head and child.in_features % 8 == 0:
                 setattr(parent, name, Int4Linear.from_linear(child, group))
                 swapped += 1
     if torch.cuda.is_available():

@@ -277,6 +277,7 @@ def matmul(
 ) -> torch.Tensor:
     """x [M, K] (16-bit, the stored input order) times the int4 weight: [M, N]."""
     tile = choose(x.shape[0])
-    if tile is None:
+    if tile is None or x.shape[1] % _block_k(tile, x.shape[1], group):
+        # large M, or inputs no K step of 16+ divides: expand the weight, then cuBLAS
         return x @ dequantize(qweight, scales, zeros, group, x.dtype)
     return fused(x, qweight, scales, zeros, group, tile)

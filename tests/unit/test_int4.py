@@ -15,7 +15,7 @@ from torch import nn
 
 from dlm_engine import Engine, EngineConfig
 from dlm_engine.gptq_checkpoint import _awq_columns
-from dlm_engine.int4 import Int4Linear, pack_rows, quantize_groups, unpack_rows
+from dlm_engine.int4 import Int4Linear, pack_rows, quantize_groups, quantize_int4, unpack_rows
 from dlm_engine.loader import load_checkpoint
 from dlm_engine.models.common import ForwardBatch
 from dlm_engine.quantization import weight_bytes
@@ -70,6 +70,13 @@ def test_zero_stays_exactly_zero_and_small_inputs_use_one_group() -> None:
     assert bool((deq[:, :10] == 0).all())
     layer = Int4Linear.from_linear(nn.Linear(96, 8, bias=False))  # 96 inputs: one group
     assert layer.group_size == 96
+
+
+def test_layers_whose_inputs_do_not_pack_stay_dense() -> None:
+    model = nn.Sequential(nn.Linear(12, 16), nn.Linear(16, 8), nn.Linear(8, 4))
+    assert quantize_int4(model, head=model[2]) == 1
+    assert isinstance(model[0], nn.Linear) and isinstance(model[1], Int4Linear)
+    assert isinstance(model[2], nn.Linear)  # the head
 
 
 def test_fused_int4_layers_compute_the_separate_layers() -> None:
