@@ -233,6 +233,37 @@ def run_batch(engine: Engine, timers: Timers, batch: int, args, vocab: int) -> d
     return result
 
 
+def attention_check() -> list[dict[str, Any]]:
+    """The GPU attention paths of the model (grouped bf16 products with float32 scores)
+    against PyTorch's float32 attention at the real shapes: relative error."""
+    import torch.nn.functional as F
+
+    from dlm_engine.models.diffusion_gemma import _grouped_attention
+
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for d, kv, t, s, masked in ((512, 2, 256, 4864, False), (256, 8, 1024, 1024, True)):
+        q = torch.randn(1, 16, t, d, device="cuda", generator=gen).bfloat16() / d**0.25
+        k = torch.randn(1, kv, s, d, device="cuda", generator=gen).bfloat16() / d**0.25
+        v = torch.randn(1, kv, s, d, device="cuda", generator=gen).bfloat16()
+        mask = None
+        if masked:
+            pos, kpos = torch.arange(s - t, s, device="cuda"), torch.arange(s, device="cuda")
+            mask = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - 512)
+        got = _grouped_attention(q, k, v, mask)
+        rep_ = 16 // kv
+        ref = F.scaled_dot_product_attention(
+            q.float(),
+            k.float().repeat_interleave(rep_, 1),
+            v.float().repeat_interleave(rep_, 1),
+            attn_mask=mask,
+            scale=1.0,
+        )
+        err = None if got is None else float((got.float() - ref).norm() / ref.norm())
+        rows.append({"head_dim": d, "masked": masked, "rel_error": err})
+    return rows
+
+
 def baseline_forward(path: str, model: Any, batch: int, args, vocab: int) -> dict[str, Any]:
     """The older module's decoder forward on the same weights, over a prompt-long cache."""
     spec = importlib.util.spec_from_file_location("gemma_baseline", path)
@@ -339,6 +370,9 @@ def main() -> None:
     floor["floor_decode_tok_s"] = model.canvas_length / args.steps / (floor["floor_ms"] / 1e3)
     report["floor"] = floor
     print(json.dumps({"floor": floor}), flush=True)
+    if not args.tiny:
+        report["attention_check"] = attention_check()
+        print(json.dumps({"attention_check": report["attention_check"]}), flush=True)
     if args.baseline and not args.tiny:
         report["baseline"] = []
         for b in (int(x) for x in args.baseline_batches.split(",")):

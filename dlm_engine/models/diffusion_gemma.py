@@ -226,8 +226,8 @@ class GemmaAttention(nn.Module):
         """One row's attention (scale 1): q [1, H, T, d]. Query heads share key heads (GQA)
         inside the kernel on the GPU; on the CPU keys are repeated, as the reference does."""
         rep = self.n_heads // self.kv_heads
-        if q.is_cuda and mask is None and self.head_dim > 256:
-            out = _wide_head_attention(q, k, v)
+        if q.is_cuda and (mask is not None or self.head_dim > 256):
+            out = _grouped_attention(q, k, v, mask)
             if out is not None:
                 return out
         if rep > 1 and q.is_cuda:
@@ -239,27 +239,43 @@ class GemmaAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
 
 
-_WIDE_HEAD_FAILED: list[str] = []
+_GROUPED_ATTENTION_FAILED: list[str] = []
+_SCORES_PER_CHUNK = 1 << 28  # float32 scores one chunk of queries holds at most (1 GiB)
 
 
-def _wide_head_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Unmasked attention (scale 1) for heads wider than the fused kernels take (the full
-    layers' 512): PyTorch would fall back to float32 products. Here each key head's query
-    heads go through one bf16 product with float32 scores, a float32 softmax and one bf16
-    product with the values; None where `bmm(out_dtype=)` is missing."""
-    if _WIDE_HEAD_FAILED:
+def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None):
+    """Attention (scale 1) where PyTorch's fused kernels do not run and it would fall back to
+    float32 products: heads wider than 256 (the full layers' 512) and masked spans (the
+    encoder's causal and sliding masks) with grouped key heads. Each key head's query heads
+    go through one bf16 product with float32 scores, a float32 softmax and one bf16 product
+    with the values, in chunks of queries. `mask` [T, S] is True where a query may look;
+    None where `bmm(out_dtype=)` is missing."""
+    if _GROUPED_ATTENTION_FAILED:
         return None
     _, heads, t, d = q.shape
-    kv = k.shape[1]
-    qg = q.reshape(kv, heads // kv * t, d)  # query heads h use key head h // (heads / kv)
-    try:
-        scores = torch.bmm(qg, k[0].transpose(-1, -2), out_dtype=torch.float32)
-    except (RuntimeError, TypeError, NotImplementedError) as exc:
-        log.warning("wide-head attention falls back to SDPA: %s", exc)
-        _WIDE_HEAD_FAILED.append(str(exc))
-        return None
-    probs = scores.softmax(dim=-1).to(v.dtype)
-    return torch.bmm(probs, v[0]).view(1, heads, t, d)
+    kv, s = k.shape[1], k.shape[2]
+    rep = heads // kv
+    qg = q[0].reshape(kv, rep, t, d)  # query heads h use key head h // rep
+    kt, vg = k[0].transpose(-1, -2), v[0]
+    out = q.new_empty(kv, rep, t, d)
+    step = max(1, _SCORES_PER_CHUNK // (heads * s))
+    for a in range(0, t, step):
+        b = min(t, a + step)
+        part = qg[:, :, a:b].reshape(kv, rep * (b - a), d)
+        try:
+            if part.dtype == torch.float32:
+                scores = torch.bmm(part, kt)
+            else:
+                scores = torch.bmm(part, kt, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            log.warning("grouped attention falls back to SDPA: %s", exc)
+            _GROUPED_ATTENTION_FAILED.append(str(exc))
+            return None
+        if mask is not None:
+            scores = scores.view(kv, rep, b - a, s).masked_fill_(~mask[a:b], float("-inf"))
+        probs = scores.view(kv, rep * (b - a), s).softmax(dim=-1).to(v.dtype)
+        out[:, :, a:b] = torch.bmm(probs, vg).view(kv, rep, b - a, d)
+    return out.view(1, heads, t, d)
 
 
 class GemmaMLP(nn.Module):
@@ -529,12 +545,14 @@ class DiffusionGemmaModel(nn.Module):
             x = layer.feed_forward(x, attn, scalar)
         cache.length = start + t
 
-    def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
-        """A step's self-conditioning signal for the next step: its processed logits [.., L, V]
-        (rounded to the weights' dtype, as the reference keeps them) as soft embeddings
-        [.., L, H]. Kept instead of the logits: a canvas's signal is L x H, not L x V."""
+    def soft_embedding(self, probs: torch.Tensor) -> torch.Tensor:
+        """A step's self-conditioning signal for the next step, from the float32 softmax of its
+        processed logits [.., L, V]: soft embeddings [.., L, H]. Kept instead of the logits: a
+        canvas's signal is L x H, not L x V. (The reference takes the softmax of the logits
+        rounded to the weights' dtype; in float32 that is this softmax to the bit, in bf16
+        it is within its rounding.)"""
         w = self._decoder.embed_tokens.weight
-        probs = logits.to(w.dtype).softmax(dim=-1, dtype=torch.float32).to(w.dtype)
+        probs = probs.to(w.dtype)
         scale = torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
         return torch.matmul(probs, w) * scale
 

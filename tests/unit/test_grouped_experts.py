@@ -104,3 +104,25 @@ def test_rows_keep_soft_embeddings_not_vocabulary_sized_logits():
     for row in rows:
         assert row.soft is not None and row.soft.shape == (1, 8, 32)  # [1, L, H]
         assert row.last_logits is None and row.model_logits is None
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_grouped_attention_equals_sdpa(masked, monkeypatch):
+    """The GPU's attention for wide heads and masked encoder spans, run here in float32 in
+    small query chunks, against SDPA with repeated key heads."""
+    import torch.nn.functional as F
+
+    from dlm_engine.models import diffusion_gemma
+
+    monkeypatch.setattr(diffusion_gemma, "_SCORES_PER_CHUNK", 3 * 8 * 30)  # 3 queries a chunk
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 8, 10, 16), torch.randn(1, 2, 30, 16), torch.randn(1, 2, 30, 16)
+    mask = None
+    if masked:
+        pos, kpos = torch.arange(20, 30), torch.arange(30)
+        mask = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - 6)
+    got = diffusion_gemma._grouped_attention(q, k, v, mask)
+    want = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask, scale=1.0
+    )
+    assert torch.allclose(got, want, atol=1e-5)
