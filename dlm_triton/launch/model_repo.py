@@ -1,8 +1,8 @@
 """One template for every Triton model folder: the committed ``model_repository/`` and the
 runtime repositories the launcher writes for ``--model DIR``.
 
-``python -m dlm_triton.launch.model_repo`` regenerates ``model_repository/``; ``--check`` exits 1 when
-the committed files differ (a test runs it), so no folder is edited by hand.
+``python -m dlm_triton.launch.model_repo`` regenerates ``model_repository/``; ``--check`` exits
+1 when the committed files differ (a test runs it), so no folder is edited by hand.
 """
 
 from __future__ import annotations
@@ -39,9 +39,15 @@ class ModelSpec:
     (``dlm_protocol.settings``, by config parameter name) that is not the default."""
 
     def __init__(self, name: str, checkpoint: str, **values: Any) -> None:
-        unknown = set(values) - set(settings.BY_PARAM)
-        if unknown or "checkpoint" in values:
-            raise ValueError(f"model {name}: no server setting named {sorted(unknown)}")
+        unknown = sorted(set(values) - set(settings.BY_PARAM) | {"checkpoint"} & set(values))
+        if unknown:
+            raise ValueError(f"model {name}: no server setting named {', '.join(unknown)}")
+        for param, value in values.items():  # a bad value fails here, not at the model's load
+            setting = settings.BY_PARAM[param]
+            if isinstance(value, str):
+                setting.parse(value)
+            else:
+                setting.check(value)
         self.name, self.checkpoint, self.values = name, checkpoint, values
 
     def value(self, param: str) -> Any:

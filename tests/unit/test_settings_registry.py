@@ -131,8 +131,12 @@ def test_a_checkpoint_directory_gets_a_config_with_the_given_settings(tmp_path: 
         server.stop()
     assert params["checkpoint"] == str(ckpt.resolve()) and params["prefix_cache_tokens"] == "0"
     assert params["max_rows"] == "16" and params["device"] == "cpu"
-    with pytest.raises(ValueError, match="no server setting"):
+    with pytest.raises(ValueError, match="no server setting named max_rowz"):
         model_repo.ModelSpec("m", "c", max_rowz=3)
+    with pytest.raises(ValueError, match="parameter max_canvas must be >= 1"):
+        model_repo.ModelSpec("m", "c", max_canvas="0")
+    with pytest.raises(ValueError, match="must be >= 1"):
+        model_repo.ModelSpec("m", "c", max_canvas=0)
 
 
 def _imports(path: Path) -> set[str]:
