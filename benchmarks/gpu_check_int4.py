@@ -45,23 +45,20 @@ A16_TILES = [
     kern.Tile(64, 128, 64, warps=4, stages=4),
     kern.Tile(128, 128, 64, warps=8, stages=3),
     kern.Tile(16, 64, 128, split_k=4, warps=4, stages=3, swap=True),
-    kern.Tile(16, 128, 128, split_k=4, warps=4, stages=3, swap=True),
-    kern.Tile(16, 64, 128, split_k=8, warps=4, stages=3, swap=True),
-    kern.Tile(32, 128, 128, split_k=2, warps=4, stages=3, swap=True),
     kern.Tile(32, 64, 128, split_k=4, warps=4, stages=3, swap=True),
-    kern.Tile(64, 128, 64, split_k=2, warps=4, stages=3, swap=True),
     kern.Tile(64, 128, 128, warps=4, stages=3, swap=True),
     kern.Tile(128, 128, 64, warps=8, stages=3, swap=True),
-    kern.Tile(128, 256, 64, warps=8, stages=3, swap=True),
-    kern.Tile(256, 128, 64, warps=8, stages=3, swap=True),
+    kern.Tile(16, 64, 128, split_k=4, warps=4, stages=3, swap=True, strided=True),
+    kern.Tile(16, 64, 128, split_k=8, warps=4, stages=3, swap=True, strided=True),
+    kern.Tile(16, 128, 128, split_k=4, warps=4, stages=3, swap=True, strided=True),
+    kern.Tile(32, 64, 128, split_k=4, warps=4, stages=3, swap=True, strided=True),
+    kern.Tile(32, 128, 128, split_k=2, warps=4, stages=3, swap=True, strided=True),
+    kern.Tile(64, 128, 128, split_k=2, warps=4, stages=3, swap=True, strided=True),
+    kern.Tile(128, 128, 128, warps=8, stages=3, swap=True, strided=True),
+    kern.Tile(64, 128, 128, warps=4, stages=3, strided=True),
+    kern.Tile(128, 128, 128, warps=8, stages=3, strided=True),
 ]
-A8_TILES = [
-    kern.Tile(64, 128, 128, warps=4, stages=4, a8=True),
-    kern.Tile(16, 64, 128, split_k=4, warps=4, stages=3, a8=True, swap=True),
-    kern.Tile(64, 128, 128, warps=4, stages=3, a8=True, swap=True),
-    kern.Tile(128, 128, 128, warps=8, stages=3, a8=True, swap=True),
-    kern.Tile(256, 128, 128, warps=8, stages=3, a8=True, swap=True),
-]
+A8_TILES = [kern.Tile(64, 128, 128, warps=4, stages=4, a8=True)]
 SHAPES = {"qkv": (12288, 4096), "attn_out": (4096, 4096), "gate_up": (24576, 4096)}
 SHAPES["down"] = (4096, 12288)
 MS = (1, 16, 32, 64, 128, 256, 320, 512, 1024, 10240)
@@ -73,7 +70,8 @@ def name_of(tile: kern.Tile | None) -> str:
     if tile is None:
         return DEQUANT
     t = tile
-    extra = (" swap" if t.swap else "") + (" a8" if t.a8 else "")
+    extra = (" swap" if t.swap else "") + (" strided" if t.strided else "")
+    extra += " a8" if t.a8 else ""
     return f"{t.block_m}x{t.block_n}x{t.block_k}/s{t.split_k}/w{t.warps}/p{t.stages}{extra}"
 
 
@@ -235,7 +233,7 @@ def logits(table16: list, table8: list) -> dict:
     kern.DISPATCH = table16
     y16 = q(batch).float()
     record("int4_vs_bf16", y16)
-    best_a8 = [t for _, t in table8 if t is not None and t.a8] or A8_TILES[1:2]
+    best_a8 = [t for _, t in table8 if t is not None and t.a8] or A8_TILES[:1]
     kern.DISPATCH = [(1 << 62, best_a8[0])]  # every product in W4A8: its accuracy
     try:
         record("int4_a8_vs_bf16", q(batch).float())
@@ -265,7 +263,7 @@ def logits(table16: list, table8: list) -> dict:
     return out
 
 
-def steps(table16: list, table8: list, steps_n: int) -> list[dict]:
+def steps(table16: list, table8: list, steps_n: int, precisions: list[str]) -> list[dict]:
     from gpu_bench import CANVAS, PROMPT
 
     from dlm_engine import Engine, EngineConfig
@@ -275,6 +273,7 @@ def steps(table16: list, table8: list, steps_n: int) -> list[dict]:
     plan = [("none", None), ("int4", table16), ("int4-a8", table8), ("fp8", None), ("nf4", None)]
     if [t for _, t in table8] == [t for _, t in table16]:
         plan = [p for p in plan if p[0] != "int4-a8"]  # W4A8 never won: nothing new to time
+    plan = [p for p in plan if p[0] in precisions]
     for precision, table in plan:
         if table is not None:
             kern.DISPATCH = table
@@ -340,6 +339,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default="kernels,sweep,logits,steps")
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--precisions", default="none,int4,int4-a8,fp8,nf4", help="steps section")
     ap.add_argument("--bnb-path", default="gpu_wheels/bnb", help="bitsandbytes, if not installed")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -376,7 +376,7 @@ def main() -> int:
         report["logits"] = logits(table16, table8)
         save()
     if "steps" in sections:
-        report["steps"] = steps(table16, table8, args.steps)
+        report["steps"] = steps(table16, table8, args.steps, args.precisions.split(","))
         save()
     return 1 if bad else 0
 

@@ -36,6 +36,7 @@ class Tile:
     stages: int = 3
     a8: bool = False  # activations in e4m3 per token, FP8 tensor cores (Ada/Hopper)
     swap: bool = False  # y^T = W^T x^T (`_w4a16_swapped`): few tokens still fill the MMA
+    strided: bool = False  # one product per nibble position (no reshape); K step 128+, 16-bit
 
 
 # (largest M, tile; None: dequantize then cuBLAS), the first entry whose bound holds wins
@@ -75,6 +76,7 @@ def _w4a16(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     A8: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     grid_m = tl.cdiv(M, BLOCK_M)
     pid = tl.program_id(0)
@@ -93,17 +95,26 @@ def _w4a16(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_len = K // SPLIT_K
     k_start = pid_k * k_len
+    rows = tl.arange(0, BLOCK_K // 8) * 8
     for k0 in range(k_start, k_start + k_len, BLOCK_K):
-        a = tl.load(x_ptrs + k0, mask=mask_m[:, None], other=0.0)
         packed = tl.load(q_ptrs + (k0 // 8) * stride_qk, mask=mask_n[None, :], other=0)
         g = k0 // GROUP  # a K block never straddles two groups
         s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0).to(tl.float32)
-        q = tl.reshape((packed[:, None, :] >> shifts) & 0xF, (BLOCK_K, BLOCK_N)).to(tl.float32)
-        if A8:  # q - zero is an integer in -16..15: exact in e4m3; the group scale after
-            acc += tl.dot(a, (q - z[None, :]).to(tl.float8e4nv)) * s[None, :]
+        if STRIDED:  # nibble j of word row i is input 8i + j: eight products, no reshape
+            for j in tl.static_range(8):
+                a_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k0 + j + rows)[None, :]
+                a_j = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                w_j = (((packed >> (4 * j)) & 0xF).to(tl.float32) - z[None, :]) * s[None, :]
+                acc = tl.dot(a_j, w_j.to(a_j.dtype), acc)
         else:
-            acc = tl.dot(a, ((q - z[None, :]) * s[None, :]).to(a.dtype), acc)
+            a = tl.load(x_ptrs + k0, mask=mask_m[:, None], other=0.0)
+            q = tl.reshape((packed[:, None, :] >> shifts) & 0xF, (BLOCK_K, BLOCK_N))
+            q = q.to(tl.float32)
+            if A8:  # q - zero is an integer in -16..15: exact in e4m3; the group scale after
+                acc += tl.dot(a, (q - z[None, :]).to(tl.float8e4nv)) * s[None, :]
+            else:
+                acc = tl.dot(a, ((q - z[None, :]) * s[None, :]).to(a.dtype), acc)
     if A8:
         acc *= tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -135,6 +146,7 @@ def _w4a16_swapped(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     A8: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """`_w4a16` as y^T = W^T x^T: the weight tile, expanded in registers, is the MMA's first
     operand (its 64-row side), the tokens the second, so a few tokens waste no MMA rows and
@@ -155,17 +167,26 @@ def _w4a16_swapped(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_len = K // SPLIT_K
     k_start = pid_k * k_len
+    rows = tl.arange(0, BLOCK_K // 8) * 8
     for k0 in range(k_start, k_start + k_len, BLOCK_K):
-        xt = tl.load(xt_ptrs + k0, mask=mask_m[None, :], other=0.0)
         packed = tl.load(qt_ptrs + (k0 // 8) * stride_qk, mask=mask_n[:, None], other=0)
         g = k0 // GROUP
         s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0).to(tl.float32)
-        q = tl.reshape((packed[:, :, None] >> shifts) & 0xF, (BLOCK_N, BLOCK_K)).to(tl.float32)
-        if A8:
-            acc += tl.dot((q - z[:, None]).to(tl.float8e4nv), xt) * s[:, None]
+        if STRIDED:
+            for j in tl.static_range(8):
+                xt_ptrs_j = x_ptr + offs_m[None, :] * stride_xm + (k0 + j + rows)[:, None]
+                xt_j = tl.load(xt_ptrs_j, mask=mask_m[None, :], other=0.0)
+                w_j = (((packed >> (4 * j)) & 0xF).to(tl.float32) - z[:, None]) * s[:, None]
+                acc = tl.dot(w_j.to(xt_j.dtype), xt_j, acc)
         else:
-            acc = tl.dot(((q - z[:, None]) * s[:, None]).to(xt.dtype), xt, acc)
+            xt = tl.load(xt_ptrs + k0, mask=mask_m[None, :], other=0.0)
+            q = tl.reshape((packed[:, :, None] >> shifts) & 0xF, (BLOCK_N, BLOCK_K))
+            q = q.to(tl.float32)
+            if A8:
+                acc += tl.dot((q - z[:, None]).to(tl.float8e4nv), xt) * s[:, None]
+            else:
+                acc = tl.dot(((q - z[:, None]) * s[:, None]).to(xt.dtype), xt, acc)
     if A8:
         acc *= tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -223,11 +244,14 @@ def dequantize(
     return w
 
 
-def _block_k(tile: Tile, k: int, group: int) -> int:
-    """The tile's K step, shrunk until it divides both the group and K."""
+def _block_k(tile: Tile, k: int, group: int) -> int | None:
+    """The tile's K step, shrunk until it divides both the group and K; None where none
+    does (or, for a strided tile, none of 128 or more: eight products of 16 inputs)."""
     bk = min(tile.block_k, group)
     while bk > 16 and (group % bk or k % bk):
         bk //= 2
+    if group % bk or k % bk or (tile.strided and bk < 128):
+        return None
     return bk
 
 
@@ -250,6 +274,8 @@ def fused(
 
         x, xs = quantize_tokens(x)
     bk = _block_k(tile, k, group)
+    if bk is None or (tile.a8 and tile.strided):
+        raise ValueError(f"tile {tile} does not fit K={k} in groups of {group}")
     split = tile.split_k
     while split > 1 and k % (bk * split):
         split //= 2
@@ -263,7 +289,7 @@ def fused(
         x, qweight, scales, zeros, y, xs, m, n, k,
         x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
         GROUP=group, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=bk, SPLIT_K=split,
-        A8=tile.a8, num_warps=tile.warps, num_stages=tile.stages,
+        A8=tile.a8, STRIDED=tile.strided, num_warps=tile.warps, num_stages=tile.stages,
     )  # fmt: skip
     return y if split == 1 else y.to(out_dtype)
 
@@ -277,7 +303,7 @@ def matmul(
 ) -> torch.Tensor:
     """x [M, K] (16-bit, the stored input order) times the int4 weight: [M, N]."""
     tile = choose(x.shape[0])
-    if tile is None or x.shape[1] % _block_k(tile, x.shape[1], group):
+    if tile is None or _block_k(tile, x.shape[1], group) is None:
         # large M, or inputs no K step of 16+ divides: expand the weight, then cuBLAS
         return x @ dequantize(qweight, scales, zeros, group, x.dtype)
     return fused(x, qweight, scales, zeros, group, tile)
