@@ -41,7 +41,7 @@ class Tile:
 
 # (largest M, tile; None: dequantize then cuBLAS), the first entry whose bound holds wins
 DISPATCH: list[tuple[int, Tile | None]] = [
-    (16, Tile(16, 64, 128, split_k=4, warps=4, stages=3, swap=True)),
+    (16, Tile(16, 64, 128, split_k=8, warps=4, stages=3, swap=True, strided=True)),
     (32, Tile(32, 64, 128, split_k=4, warps=4, stages=3, swap=True)),
     (128, Tile(64, 128, 64, warps=4, stages=4)),
     (1 << 62, None),
