@@ -22,6 +22,8 @@ Figures per batch:
 - `decode_tok_s`: output tokens / (end-to-end time - prompt encoding time); finished canvases
   re-encoded between canvases count as decode time;
 - `output_tok_s`: output tokens / end-to-end time;
+- `compute_floor_ms`: the step's matrix-product FLOPs (`step_tflop`, second canvas) at the
+  H100's dense bf16 peak (989 TFLOP/s); `achieved_tflop_s` what the measured step did;
 - `floor_ms`: bytes of the weights one step reads (every decoder weight, experts all touched
   by a 256-token canvas, plus the tied embedding read a second time by self-conditioning) /
   HBM bandwidth (3.35 TB/s, H100 SXM); `floor_decode_tok_s` the decode rate at that floor.
@@ -51,6 +53,7 @@ from dlm_engine.presets import PRESETS
 
 PRESET = "diffusiongemma-26b-a4b"
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM
+PEAK_BF16_FLOP_S = 989e12  # H100 SXM dense bf16 tensor cores
 VLLM_ANCHOR = {
     "source": "vLLM blog 2026-06-10: H100, batch 1, FP8, 4096 in / 512 out, 16 steps fixed",
     "output_tok_s": 895,
@@ -119,6 +122,25 @@ def weight_floor(model: torch.nn.Module) -> dict[str, float]:
         "step_bytes": step_bytes,
         "floor_ms": 1e3 * step_bytes / HBM_BYTES_PER_S,
     }
+
+
+def step_flops(model: torch.nn.Module, batch: int, cache: int) -> float:
+    """Multiply-add FLOPs of one decoder step over `batch` canvases whose rows hold `cache`
+    encoded positions: every matrix product (projections, dense MLP, the k chosen experts,
+    router, attention over cache + canvas, head and self-conditioning's soft embeddings)."""
+    a = model.arch
+    h, length = a.hidden_size, a.canvas_length
+    per_token = 2 * 3 * h * a.intermediate_size  # self-conditioning MLP
+    per_token += 2 * 2 * a.vocab_size * h  # head, soft embeddings
+    for shape in a.layers:
+        qo = 2 * a.num_attention_heads * shape.head_dim * h
+        kv = (1 if not shape.sliding else 2) * shape.kv_heads * shape.head_dim * h
+        per_token += 2 * (qo + kv)
+        per_token += 2 * 3 * h * a.intermediate_size + 2 * h * a.num_experts
+        per_token += 2 * a.top_k_experts * 3 * h * a.moe_intermediate_size
+        keys = (min(cache, a.sliding_window - 1) if shape.sliding else cache) + length
+        per_token += 2 * 2 * a.num_attention_heads * shape.head_dim * keys
+    return float(per_token * batch * length)
 
 
 class Timers:
@@ -261,6 +283,14 @@ def attention_check() -> list[dict[str, Any]]:
         )
         err = None if got is None else float((got.float() - ref).norm() / ref.norm())
         rows.append({"head_dim": d, "masked": masked, "rel_error": err})
+    # the sampler's GPU entropy (from the step's softmax) against Categorical's
+    from dlm_engine.decoding.uniform_diffusion import token_entropy
+
+    logits = 30 * torch.tanh(torch.randn(256, 262144, device="cuda", generator=gen) * 3 / 30)
+    probs = logits.softmax(dim=-1)
+    ref = torch.distributions.Categorical(logits=logits).entropy()
+    err = float((token_entropy(logits, probs) - ref).abs().max())
+    rows.append({"entropy_max_abs_error_nats": err})
     return rows
 
 
@@ -403,6 +433,10 @@ def main() -> None:
         try:
             row = run_batch(engine, timers, b, args, vocab)
             row["step_vs_floor"] = row["step_ms"] and floor["floor_ms"] / row["step_ms"]
+            flops = step_flops(model, b, args.prompt + model.canvas_length)  # second canvas
+            row["step_tflop"] = flops / 1e12
+            row["compute_floor_ms"] = 1e3 * flops / PEAK_BF16_FLOP_S
+            row["achieved_tflop_s"] = row["step_ms"] and flops / row["step_ms"] / 1e9
         except Exception as exc:
             row = {"batch": b, "error": f"{type(exc).__name__}: {exc}"[:300]}
             engine = Engine(cfg, loaded)  # rows of the failed run are dropped with it

@@ -241,6 +241,7 @@ class GemmaAttention(nn.Module):
 
 _GROUPED_ATTENTION_FAILED: list[str] = []
 _SCORES_PER_CHUNK = 1 << 28  # float32 scores one chunk of queries holds at most (1 GiB)
+_MASKED_QUERIES_PER_CHUNK = 1024
 
 
 def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None):
@@ -259,22 +260,29 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=N
     kt, vg = k[0].transpose(-1, -2), v[0]
     out = q.new_empty(kv, rep, t, d)
     step = max(1, _SCORES_PER_CHUNK // (heads * s))
+    if mask is not None:  # smaller chunks see fewer keys (causal, sliding window)
+        step = min(step, _MASKED_QUERIES_PER_CHUNK)
     for a in range(0, t, step):
         b = min(t, a + step)
         part = qg[:, :, a:b].reshape(kv, rep * (b - a), d)
+        lo, hi, chunk_mask = 0, s, None
+        if mask is not None:  # only the keys some query of the chunk may see
+            seen = mask[a:b].any(dim=0).int()
+            lo, hi = int(seen.argmax()), s - int(seen.flip(0).argmax())
+            chunk_mask = mask[a:b, lo:hi]
         try:
             if part.dtype == torch.float32:
-                scores = torch.bmm(part, kt)
+                scores = torch.bmm(part, kt[:, :, lo:hi])
             else:
-                scores = torch.bmm(part, kt, out_dtype=torch.float32)
+                scores = torch.bmm(part, kt[:, :, lo:hi], out_dtype=torch.float32)
         except (RuntimeError, TypeError, NotImplementedError) as exc:
             log.warning("grouped attention falls back to SDPA: %s", exc)
             _GROUPED_ATTENTION_FAILED.append(str(exc))
             return None
-        if mask is not None:
-            scores = scores.view(kv, rep, b - a, s).masked_fill_(~mask[a:b], float("-inf"))
-        probs = scores.view(kv, rep * (b - a), s).softmax(dim=-1).to(v.dtype)
-        out[:, :, a:b] = torch.bmm(probs, vg).view(kv, rep, b - a, d)
+        if chunk_mask is not None:
+            scores = scores.view(kv, rep, b - a, hi - lo).masked_fill_(~chunk_mask, float("-inf"))
+        probs = scores.view(kv, rep * (b - a), hi - lo).softmax(dim=-1).to(v.dtype)
+        out[:, :, a:b] = torch.bmm(probs, vg[:, lo:hi]).view(kv, rep, b - a, d)
     return out.view(1, heads, t, d)
 
 

@@ -57,11 +57,13 @@ def gated_experts(
     xs = x[order // k]
     gate, up = grouped_linear(xs, gate_up.transpose(-2, -1), offs, expert_of_row).chunk(2, -1)
     ys = grouped_linear(act(gate, up), down.transpose(-2, -1), offs, expert_of_row)
-    per_slot = torch.empty_like(ys)
     # weights in the hidden dtype: one pass, no float32 copy (the same product in float32)
-    per_slot[order] = ys * weights[order, None].to(ys.dtype)
+    ys = ys * weights[order, None].to(ys.dtype)
+    # back to (token, slot) order by a gather (a row copy; a scatter is slower on the GPU)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)
     # summed over the slots in slot (= expert) order, one pass
-    return per_slot.view(n, k, -1).sum(dim=1)
+    return ys.index_select(0, back).view(n, k, -1).sum(dim=1)
 
 
 __all__ = ["gated_experts", "sort_by_expert"]
