@@ -27,7 +27,6 @@ from .decoding.structured import StructuredOutput
 from .errors import InvalidRequestError
 from .loader import LoadedModel, load_checkpoint
 from .model_runner import ModelRunner
-from .output_state import OutputState
 from .outputs import RequestOutput
 from .paged_kv import cpu_pool_tokens, page_size
 from .prompt_limits import check_prompt_bytes, prompt_byte_cap, prompt_bytes
@@ -39,10 +38,12 @@ from .text import StableText
 from .tools import (
     ToolCallText,
     ToolSpec,
+    bind_format,
     check_call_budget,
     closing_reserve,
     prompt_messages,
     template_has_tools,
+    tool_format,
 )
 from .uniform_runner import UniformRunner
 
@@ -77,7 +78,9 @@ class Engine:
                 pad_id,
                 lm.device,
                 max_rows=config.max_rows,
-                cuda_graphs=config.cuda_graphs,
+                # a tensor-parallel forward first sends its inputs to the workers (host work
+                # a captured graph would not repeat)
+                cuda_graphs=config.cuda_graphs and config.tensor_parallel_size == 1,
                 max_cuda_graphs=config.max_cuda_graphs,
                 cuda_graph_max_tokens=config.cuda_graph_max_tokens,
                 fused_kernels=config.fused_kernels,
@@ -91,9 +94,12 @@ class Engine:
             config.phase_wait_steps,
             reserve=self.runner.admit,
         )
-        self._outputs: dict[str, OutputState] = {}  # per request, admission to final output
+        self._texts: dict[str, StableText] = {}
+        self._logprobs: dict[str, LogprobStream] = {}  # requests with `logprobs`
         self._token_texts = TokenTexts(lm.tokenizer)
+        self._tool_texts: dict[str, ToolCallText] = {}  # requests with tools
         self._template_tools = template_has_tools(lm.tokenizer)
+        self.tool_format = tool_format(lm.family.tool_format, lm.tokenizer)  # the call syntax
         # scoring requests, below generation in the steps' share (scoring.py)
         self._scoring = ScoringQueue(config.score_tokens, int(lm.model.vocab_size))
         self._aborted: list[str] = []
@@ -199,7 +205,9 @@ class Engine:
                     "messages", f"message {i} contains the mask token {self.mask_token}"
                 )
         check_tool_call_ids(messages)
-        messages, tool_list = prompt_messages(messages, tools, self._template_tools)
+        messages, tool_list = prompt_messages(
+            messages, tools, self._template_tools, self.tool_format
+        )
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tool_list, add_generation_prompt=True, tokenize=False
@@ -238,6 +246,7 @@ class Engine:
             model_block=self.model_block,
         )
         check_vocab(resolved.logit_bias, self.runner.model_vocab)
+        resolved = bind_format(resolved, self.tool_format)  # calls in the family's syntax
         resolved = self.structured.check(resolved)  # the constraint compiles, then its budget
         check_call_budget(resolved.tools, resolved.max_tokens, self.tokenizer)
         return resolved
@@ -278,11 +287,16 @@ class Engine:
                 f"of {pool.page_tokens} tokens; this server's pool holds {pool.pages}",
             )
         self.scheduler.add(seq)
-        self._outputs[request_id] = OutputState(
-            StableText(self.tokenizer, self.stop_ids, resolved.stop),
-            tools=None if resolved.tools is None else ToolCallText(resolved.tools),
-            logprobs=None if resolved.logprobs is None else LogprobStream(self._token_texts),
+        self._texts[request_id] = StableText(
+            self.tokenizer,
+            self.stop_ids,
+            resolved.stop,
+            keep=self.tool_format.kept if resolved.tools else None,  # markup to parse
         )
+        if resolved.tools is not None:
+            self._tool_texts[request_id] = ToolCallText(resolved.tools)
+        if resolved.logprobs is not None:
+            self._logprobs[request_id] = LogprobStream(self._token_texts)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -339,8 +353,7 @@ class Engine:
         return outputs
 
     def _output_for(self, seq: Sequence, now: float) -> RequestOutput | None:
-        state = self._outputs[seq.request_id]
-        st = state.text
+        st = self._texts[seq.request_id]
         # max_nfe spent: the last forward committed the active block; the request ends there.
         done_canvas = seq.canvas_done or seq.nfe_spent
         update = st.update(seq.committed_prefix(), canvas_complete=done_canvas)
@@ -348,7 +361,7 @@ class Engine:
             seq.finished = True
             seq.finish_reason = update.finish_reason
         delta, text, tool_calls = update.delta, st.sent, None
-        tool_text = state.tools
+        tool_text = self._tool_texts.get(seq.request_id)
         if tool_text is not None:  # content stops where a tool call may begin
             cut = seq.finish_reason == "length"
             delta, tool_calls = tool_text.update(st.sent, seq.finished, cut)
@@ -361,13 +374,15 @@ class Engine:
         if not (delta or seq.finished or canvas is not None):
             return None
         logprobs = None
-        stream = state.logprobs
+        stream = self._logprobs.get(seq.request_id)
         if stream is not None:
             # with call markup in the answer, only the content's tokens have entries
             markup = tool_text is not None and tool_text.answer and tool_text.answer.markup
             logprobs = stream.release(seq, st.token_ids, text, seq.finished and not markup)
         if seq.finished:
-            del self._outputs[seq.request_id]
+            del self._texts[seq.request_id]
+            self._logprobs.pop(seq.request_id, None)
+            self._tool_texts.pop(seq.request_id, None)
         return RequestOutput(
             request_id=seq.request_id,
             text=text,
@@ -487,11 +502,12 @@ class Engine:
     def _ended_output(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
         """The final output of a request ended early (aborted, or its row failed): the text
         already sent stands, nothing more is added."""
-        state = self._outputs.pop(seq.request_id)
-        st = state.text
+        st = self._texts.pop(seq.request_id)
+        self._logprobs.pop(seq.request_id, None)
+        tool_text = self._tool_texts.pop(seq.request_id, None)
         return RequestOutput(
             request_id=seq.request_id,
-            text=state.sent,
+            text=st.sent if tool_text is None else tool_text.sent,
             delta_text="",
             token_ids=list(st.token_ids),
             finished=True,
@@ -510,7 +526,9 @@ class Engine:
         for seq in list(self.scheduler.running):
             self.scheduler.remove(seq.request_id)
             self.runner.release(seq.request_id)
-            self._outputs.pop(seq.request_id, None)
+            self._texts.pop(seq.request_id, None)
+            self._logprobs.pop(seq.request_id, None)
+            self._tool_texts.pop(seq.request_id, None)
             dropped.append((seq.request_id, seq.prompt_len))
         return dropped
 

@@ -23,9 +23,16 @@ class StableText:
     """Tracks one request's released text; `update` returns only what is new."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, stop_ids: frozenset[int], stop: tuple[str, ...]
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        stop_ids: frozenset[int],
+        stop: tuple[str, ...],
+        keep: dict[int, str] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # special tokens the text keeps (id -> text): a tool format's markup, which its
+        # parser reads (decoding otherwise skips every special token)
+        self.keep = keep or {}
         self.stop_ids = stop_ids
         self.stop = stop
         self.sent = ""
@@ -86,6 +93,18 @@ class StableText:
         return text
 
     def _piece(self, ids: list[int]) -> str:
+        if self.keep and not self.keep.keys().isdisjoint(ids):
+            parts, run = [], []
+            for t in ids:
+                if t in self.keep:
+                    parts += [self._plain(run), self.keep[t]]
+                    run = []
+                else:
+                    run.append(t)
+            return "".join([*parts, self._plain(run)])
+        return self._plain(ids)
+
+    def _plain(self, ids: list[int]) -> str:
         if self._raw_decode is not None:  # what decode() does for a fast tokenizer, minus
             return self._raw_decode(ids, skip_special_tokens=True)  # the conversion layers
         return self.tokenizer.decode(
@@ -106,6 +125,11 @@ class StableText:
     def _ids_covering(self, ids: list[int], text: str) -> list[int]:
         """The shortest token prefix whose text reaches `text` (the completion before a stop string)."""
         for n in range(len(ids) + 1):
-            if len(self.tokenizer.decode(ids[:n], skip_special_tokens=True)) >= len(text):
+            piece = (
+                self._piece(ids[:n])
+                if self.keep
+                else self.tokenizer.decode(ids[:n], skip_special_tokens=True)
+            )
+            if len(piece) >= len(text):
                 return ids[:n]
         return ids

@@ -73,8 +73,12 @@ class UniformRunner:
             canvases = -(-seq.params.max_tokens // self.canvas_length)
             constraint = None
             if seq.constraint is not None:
+                tools = seq.params.tools
                 constraint = CanvasConstraint(
-                    seq.constraint, self.constraint_runtime, seq.params.max_tokens
+                    seq.constraint,
+                    self.constraint_runtime,
+                    seq.params.max_tokens,
+                    closers=tools.format.closing_ids if tools is not None else (),
                 )
             row = self.rows[seq.request_id] = UniformRow(
                 torch.tensor(seq.prompt_ids, device=self.device),

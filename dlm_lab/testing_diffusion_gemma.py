@@ -23,6 +23,52 @@ CHAT_TEMPLATE = (
     "{{ message['content'] | trim }}<end_of_turn>\n{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
+# Gemma 4's layout (chat="gemma4"): its turn markers and tool-call markup as special tokens, and
+# a template that renders `tools`, calls and results in Gemma 4's syntax (dlm_engine/tool_gemma4.py)
+GEMMA4_SPECIALS = [
+    *GEMMA_SPECIALS[:5],
+    "<|turn>",
+    "<turn|>",
+    "<|tool>",
+    "<tool|>",
+    "<|tool_call>",
+    "<tool_call|>",
+    "<|tool_response>",
+    "<tool_response|>",
+    '<|"|>',
+]
+GEMMA4_CHAT_TEMPLATE = (
+    "{%- macro arg(v) -%}"
+    '{%- if v is string -%}<|"|>{{ v }}<|"|>'
+    "{%- elif v is boolean -%}{{ 'true' if v else 'false' }}"
+    "{%- elif v is mapping -%}{{ '{' }}{%- for k, x in v | dictsort -%}"
+    "{{ k }}:{{ arg(x) }}{{ ',' if not loop.last }}{%- endfor -%}{{ '}' }}"
+    "{%- elif v is sequence -%}[{%- for x in v -%}{{ arg(x) }}{{ ',' if not loop.last }}"
+    "{%- endfor -%}]"
+    "{%- elif v is none -%}null{%- else -%}{{ v }}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{{ bos_token }}"
+    "{%- if tools or messages[0]['role'] == 'system' -%}<|turn>system{{ '\\n' }}"
+    "{%- if messages[0]['role'] == 'system' -%}{{ messages[0]['content'] | trim }}{%- endif -%}"
+    "{%- for t in tools or [] -%}<|tool>declaration:{{ t['function']['name'] }}"
+    "{description:<|\"|>{{ t['function']['description'] or '' }}<|\"|>,parameters:"
+    "{{ arg(t['function']['parameters'] or {}) }}}<tool|>{%- endfor -%}<turn|>{{ '\\n' }}"
+    "{%- endif -%}"
+    "{%- for m in messages if m['role'] != 'system' -%}"
+    "{%- if m['role'] == 'tool' -%}{%- set ns = namespace(name='tool') -%}"
+    "{%- for a in messages -%}{%- for c in a.get('tool_calls') or [] -%}"
+    "{%- if c.get('id') == m.get('tool_call_id') -%}{%- set ns.name = c['function']['name'] -%}"
+    "{%- endif -%}{%- endfor -%}{%- endfor -%}"
+    "<|tool_response>response:{{ ns.name }}{value:<|\"|>{{ m['content'] }}<|\"|>}"
+    "<tool_response|>"
+    "{%- else -%}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}{{ '\\n' }}"
+    "{{ (m['content'] or '') | trim }}"
+    "{%- for c in m.get('tool_calls') or [] -%}<|tool_call>call:{{ c['function']['name'] }}"
+    "{{ arg(c['function']['arguments']) }}<tool_call|>{%- endfor -%}"
+    "{%- if not m.get('tool_calls') -%}<turn|>{{ '\\n' }}{%- endif -%}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt and messages[-1]['role'] != 'tool' -%}<|turn>model{{ '\\n' }}"
+    "{%- endif -%}"
+)
 # The published decoding defaults' keys (DiffusionGemmaGenerationConfig); values for a tiny
 # canvas that stops early now and then.
 GENERATION_DEFAULTS: dict[str, Any] = {
@@ -35,15 +81,17 @@ GENERATION_DEFAULTS: dict[str, Any] = {
 }
 
 
-def build_gemma_char_tokenizer(out_dir: Path) -> dict[str, int]:
-    """Gemma's special ids first (pad 0, eos 1, bos 2), then one token per character."""
-    vocab = {s: i for i, s in enumerate(GEMMA_SPECIALS)}
+def build_gemma_char_tokenizer(out_dir: Path, chat: str = "gemma") -> dict[str, int]:
+    """Gemma's special ids first (pad 0, eos 1, bos 2), then one token per character.
+    `chat="gemma4"`: Gemma 4's turn and tool-call markup and its tool-rendering template."""
+    specials = GEMMA4_SPECIALS if chat == "gemma4" else GEMMA_SPECIALS
+    vocab = {s: i for i, s in enumerate(specials)}
     for c in CHARS:
         vocab[c] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in GEMMA_SPECIALS])
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
     cfg = {
@@ -53,11 +101,11 @@ def build_gemma_char_tokenizer(out_dir: Path) -> dict[str, int]:
         "pad_token": "<pad>",
         "unk_token": "<unk>",
         "mask_token": "<mask>",
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": GEMMA4_CHAT_TEMPLATE if chat == "gemma4" else CHAT_TEMPLATE,
         "model_max_length": 4096,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
-    return {s: vocab[s] for s in GEMMA_SPECIALS} | {"vocab_size": len(vocab)}
+    return {s: vocab[s] for s in specials} | {"vocab_size": len(vocab)}
 
 
 def tiny_config(vocab_size: int, canvas_length: int = 16, sliding_window: int = 6, **text: Any):
@@ -110,15 +158,18 @@ def make_tiny_diffusion_gemma(
     canvas_length: int = 16,
     sliding_window: int = 6,
     generation: dict[str, Any] | None = None,
+    chat: str = "gemma",
 ) -> Path:
     """Write the checkpoint folder and return it. Weights are random but seeded, scaled up so
     the tiny model's distributions are far from uniform (entropy-bound acceptance, early
-    stops and end-of-text all happen within a few canvases)."""
+    stops and end-of-text all happen within a few canvases). `chat="gemma4"`: the tokenizer and
+    chat template in Gemma 4's layout (turn and tool-call markup as special tokens, tools
+    rendered by the template), as the published checkpoint's."""
     import torch
     from transformers import DiffusionGemmaForBlockDiffusion
 
     out = Path(out_dir)
-    ids = build_gemma_char_tokenizer(out)
+    ids = build_gemma_char_tokenizer(out, chat)
     config = tiny_config(ids["vocab_size"], canvas_length, sliding_window)
     config.pad_token_id, config.eos_token_id, config.bos_token_id = 0, 1, 2
     torch.manual_seed(seed)
@@ -135,7 +186,7 @@ def make_tiny_diffusion_gemma(
         **(generation or {}),
         "bos_token_id": 2,
         "pad_token_id": 0,
-        "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
+        "eos_token_id": [ids["<eos>"], ids["<turn|>" if chat == "gemma4" else "<end_of_turn>"]],
     }
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return out

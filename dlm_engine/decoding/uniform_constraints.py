@@ -39,11 +39,18 @@ class CanvasConstraint:
     """One constrained row's walker: its matcher (advanced canvas by canvas) and budget."""
 
     def __init__(
-        self, constraint: RowConstraint, runtime: ConstraintRuntime, max_tokens: int
+        self,
+        constraint: RowConstraint,
+        runtime: ConstraintRuntime,
+        max_tokens: int,
+        closers: tuple[int, ...] = (),
     ) -> None:
         self.constraint = constraint
         self.rt = runtime
         self.max_tokens = max_tokens
+        # tokens that also close the structure (a tool format's string delimiter and key
+        # separator, tools.py), preferred near max_tokens beside the runtime's
+        self.closers = closers
         self.bitmask = llnp.allocate_token_bitmask(1, runtime.mask_vocab)
         self._stops: torch.Tensor | None = None
 
@@ -72,6 +79,9 @@ class CanvasConstraint:
         if self._stops is None:
             self._stops = torch.tensor(self.rt.stop_ids, device=dev)
         bonus = self.rt.closing_bonus[:vocab].to(dev)
+        if self.closers:
+            bonus = bonus.clone()
+            bonus[list(self.closers)] += 1e4
         for j in range(min(length, self.max_tokens - start)):
             allowed = self.allowed(vocab, dev)
             if allowed is None or not bool(allowed.any()):
