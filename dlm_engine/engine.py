@@ -27,6 +27,7 @@ from .decoding.structured import StructuredOutput
 from .errors import InvalidRequestError
 from .loader import LoadedModel, load_checkpoint
 from .model_runner import ModelRunner
+from .output_state import OutputState
 from .outputs import RequestOutput
 from .paged_kv import cpu_pool_tokens, page_size
 from .prompt_limits import check_prompt_bytes, prompt_byte_cap, prompt_bytes
@@ -78,9 +79,7 @@ class Engine:
                 pad_id,
                 lm.device,
                 max_rows=config.max_rows,
-                # a tensor-parallel forward first sends its inputs to the workers (host work
-                # a captured graph would not repeat)
-                cuda_graphs=config.cuda_graphs and config.tensor_parallel_size == 1,
+                cuda_graphs=config.cuda_graphs,
                 max_cuda_graphs=config.max_cuda_graphs,
                 cuda_graph_max_tokens=config.cuda_graph_max_tokens,
                 fused_kernels=config.fused_kernels,
@@ -94,10 +93,8 @@ class Engine:
             config.phase_wait_steps,
             reserve=self.runner.admit,
         )
-        self._texts: dict[str, StableText] = {}
-        self._logprobs: dict[str, LogprobStream] = {}  # requests with `logprobs`
+        self._outputs: dict[str, OutputState] = {}  # per request, admission to final output
         self._token_texts = TokenTexts(lm.tokenizer)
-        self._tool_texts: dict[str, ToolCallText] = {}  # requests with tools
         self._template_tools = template_has_tools(lm.tokenizer)
         self.tool_format = tool_format(lm.family.tool_format, lm.tokenizer)  # the call syntax
         # scoring requests, below generation in the steps' share (scoring.py)
@@ -287,16 +284,16 @@ class Engine:
                 f"of {pool.page_tokens} tokens; this server's pool holds {pool.pages}",
             )
         self.scheduler.add(seq)
-        self._texts[request_id] = StableText(
-            self.tokenizer,
-            self.stop_ids,
-            resolved.stop,
-            keep=self.tool_format.kept if resolved.tools else None,  # markup to parse
+        self._outputs[request_id] = OutputState(
+            StableText(
+                self.tokenizer,
+                self.stop_ids,
+                resolved.stop,
+                keep=self.tool_format.kept if resolved.tools else None,  # markup to parse
+            ),
+            tools=None if resolved.tools is None else ToolCallText(resolved.tools),
+            logprobs=None if resolved.logprobs is None else LogprobStream(self._token_texts),
         )
-        if resolved.tools is not None:
-            self._tool_texts[request_id] = ToolCallText(resolved.tools)
-        if resolved.logprobs is not None:
-            self._logprobs[request_id] = LogprobStream(self._token_texts)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -353,7 +350,8 @@ class Engine:
         return outputs
 
     def _output_for(self, seq: Sequence, now: float) -> RequestOutput | None:
-        st = self._texts[seq.request_id]
+        state = self._outputs[seq.request_id]
+        st = state.text
         # max_nfe spent: the last forward committed the active block; the request ends there.
         done_canvas = seq.canvas_done or seq.nfe_spent
         update = st.update(seq.committed_prefix(), canvas_complete=done_canvas)
@@ -361,7 +359,7 @@ class Engine:
             seq.finished = True
             seq.finish_reason = update.finish_reason
         delta, text, tool_calls = update.delta, st.sent, None
-        tool_text = self._tool_texts.get(seq.request_id)
+        tool_text = state.tools
         if tool_text is not None:  # content stops where a tool call may begin
             cut = seq.finish_reason == "length"
             delta, tool_calls = tool_text.update(st.sent, seq.finished, cut)
@@ -374,15 +372,13 @@ class Engine:
         if not (delta or seq.finished or canvas is not None):
             return None
         logprobs = None
-        stream = self._logprobs.get(seq.request_id)
+        stream = state.logprobs
         if stream is not None:
             # with call markup in the answer, only the content's tokens have entries
             markup = tool_text is not None and tool_text.answer and tool_text.answer.markup
             logprobs = stream.release(seq, st.token_ids, text, seq.finished and not markup)
         if seq.finished:
-            del self._texts[seq.request_id]
-            self._logprobs.pop(seq.request_id, None)
-            self._tool_texts.pop(seq.request_id, None)
+            del self._outputs[seq.request_id]
         return RequestOutput(
             request_id=seq.request_id,
             text=text,
@@ -502,12 +498,11 @@ class Engine:
     def _ended_output(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
         """The final output of a request ended early (aborted, or its row failed): the text
         already sent stands, nothing more is added."""
-        st = self._texts.pop(seq.request_id)
-        self._logprobs.pop(seq.request_id, None)
-        tool_text = self._tool_texts.pop(seq.request_id, None)
+        state = self._outputs.pop(seq.request_id)
+        st = state.text
         return RequestOutput(
             request_id=seq.request_id,
-            text=st.sent if tool_text is None else tool_text.sent,
+            text=state.sent,
             delta_text="",
             token_ids=list(st.token_ids),
             finished=True,
@@ -526,9 +521,7 @@ class Engine:
         for seq in list(self.scheduler.running):
             self.scheduler.remove(seq.request_id)
             self.runner.release(seq.request_id)
-            self._texts.pop(seq.request_id, None)
-            self._logprobs.pop(seq.request_id, None)
-            self._tool_texts.pop(seq.request_id, None)
+            self._outputs.pop(seq.request_id, None)
             dropped.append((seq.request_id, seq.prompt_len))
         return dropped
 

@@ -670,7 +670,9 @@ FAMILY = Family(
     default_algorithm="uniform",
     uses_blocks_by_default=False,
     mask_token="",
-    end_of_turn_tokens=("<end_of_turn>", "<turn|>"),
+    # Gemma 4 ends a turn that made tool calls with <|tool_response> (where results go)
+    end_of_turn_tokens=("<end_of_turn>", "<turn|>", "<|tool_response>"),
     uniform_diffusion=True,
+    tool_format="gemma4",  # <|tool_call>call:name{...}<tool_call|> (dlm_engine/tool_gemma4.py)
     checkpoint_defaults=_uniform_defaults,
 )
