@@ -18,6 +18,7 @@ the figure that says whether the shards compute the same model.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import shutil
 import tempfile
@@ -137,7 +138,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="shrunken preset: a CPU smoke run")
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than published (0: all)")
+    ap.add_argument(
+        "--hang-dump", type=float, default=0, help="seconds: print every thread's stack and exit"
+    )
     args = ap.parse_args()
+    if args.hang_dump:  # a run that stalls says where rank 0 waits instead of saying nothing
+        faulthandler.dump_traceback_later(args.hang_dump, exit=True)
     if args.layers:
         for key in ("n_layers", "num_hidden_layers"):
             if key in PRESETS[args.model]:

@@ -19,6 +19,11 @@ import torch
 import torch.distributed as dist
 
 POLL = timedelta(seconds=1)  # a worker's wait for the next header, between liveness checks
+# headers kept on the store: rank 0's host may run a few commands ahead of a worker's (a
+# queued next forward, a graph capture on the worker), and a header deleted before a worker
+# read it would leave that worker waiting for ever; rank 0 waits on the device (and so on
+# every worker) at least once a step, a few commands at most
+KEEP = 64
 
 
 class Channel:
@@ -33,8 +38,8 @@ class Channel:
         self.n += 1
         header = {**header, "tensors": [[list(t.shape), str(t.dtype)] for t in tensors]}
         self.store.set(f"cmd/{self.n}", json.dumps(header))
-        if self.n > 2:  # every worker read it: each command ends in a collective with them
-            self.store.delete_key(f"cmd/{self.n - 2}")
+        if self.n > KEEP:  # long read by every worker
+            self.store.delete_key(f"cmd/{self.n - KEEP}")
         for _, group in _by_dtype([t.dtype for t in tensors]):  # one broadcast per dtype
             dist.broadcast(torch.cat([tensors[i].reshape(-1) for i in group]), src=0)
 
