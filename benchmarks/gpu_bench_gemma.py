@@ -28,6 +28,9 @@ Figures per batch:
   by a 256-token canvas, plus the tied embedding read a second time by self-conditioning) /
   HBM bandwidth (3.35 TB/s, H100 SXM); `floor_decode_tok_s` the decode rate at that floor.
 
+Each batch runs with the decoder step eager and replayed from CUDA graphs (`--graphs`), the
+same requests and seeds, and says whether the tokens agree (`tokens_equal_other_mode`).
+
 `--baseline FILE` also times the decoder forward of an older `diffusion_gemma.py` (its
 `decode`, a Python loop over experts) on the same weights, for before/after figures.
 """
@@ -144,15 +147,15 @@ def step_flops(model: torch.nn.Module, batch: int, cache: int) -> float:
 
 
 class Timers:
-    """Wall time of the encoder calls (prompt vs finished canvas) and CUDA-event time of the
-    decoder forwards, installed on the model instance."""
+    """Wall time of the encoder calls (prompt vs finished canvas), installed on the model
+    instance, and CUDA-event time of the decoder steps (`timed`, around the runner's)."""
 
     def __init__(self, model: Any, cuda: bool) -> None:
         self.model, self.cuda = model, cuda
         self.prompt_s = 0.0
         self.canvas_encode_s = 0.0
         self.forward_events: list[tuple[Any, Any]] = []
-        encode, hidden = model.encode, model.decode_hidden
+        encode = model.encode
 
         def timed_encode(ids, start, cache):
             self._sync()
@@ -165,17 +168,22 @@ class Timers:
             else:
                 self.canvas_encode_s += dt
 
-        def timed_hidden(*args):
+        model.encode = timed_encode
+
+    def timed(self, decode):
+        """The runner's decoder step (eager or graphed) between two CUDA events."""
+
+        def timed_decode(*args):
             if not self.cuda:
-                return hidden(*args)
+                return decode(*args)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            out = hidden(*args)
+            out = decode(*args)
             b.record()
             self.forward_events.append((a, b))
             return out
 
-        model.encode, model.decode_hidden = timed_encode, timed_hidden
+        return timed_decode
 
     def _sync(self) -> None:
         if self.cuda:
@@ -232,6 +240,7 @@ def run_batch(engine: Engine, timers: Timers, batch: int, args, vocab: int) -> d
     e2e = time.perf_counter() - t0
     engine.runner.step = runner_step
     tokens = sum(len(done[i].token_ids) for i in ids)
+    digest = hash(tuple(tuple(done[i].token_ids) for i in ids))
     plain = [s for s in steps if s["encode"] == 0.0]
     fwd = timers.forward_ms()
     decode_s = e2e - timers.prompt_s
@@ -249,6 +258,7 @@ def run_batch(engine: Engine, timers: Timers, batch: int, args, vocab: int) -> d
         "decode_tok_s": tokens / decode_s,
         "output_tok_s": tokens / e2e,
         "finish_reasons": sorted({str(done[i].finish_reason) for i in ids}),
+        "tokens_digest": digest,
     }
     if cuda:
         result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -373,6 +383,9 @@ def main() -> None:
     ap.add_argument("--baseline-batches", default="1")
     ap.add_argument("--out", help="write the JSON here too")
     ap.add_argument("--profile", type=int, default=0, help="profile 2 steps at this batch")
+    ap.add_argument(
+        "--graphs", choices=("on", "off", "both"), default="both", help="decoder CUDA graphs"
+    )
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     report: dict[str, Any] = {"preset": PRESET, "anchor": VLLM_ANCHOR}
@@ -425,13 +438,22 @@ def main() -> None:
     )
     engine = Engine(cfg, loaded)
     timers = Timers(model, loaded.device.type == "cuda")
+    graph = engine.runner.decode_graph
+    engine.runner.decode_graph = timers.timed(graph or model.decode_hidden)
     # kernels of every shape a run meets, prompt and finished-canvas encodes included
     warm = argparse.Namespace(**{**vars(args), "output": 2 * model.canvas_length, "steps": 2})
     run_batch(engine, timers, 1, warm, vocab)
     report["runs"] = []
-    for b in batches:
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.graphs]
+    if graph is None:
+        modes = [False]
+    for b, graphs in ((b, g) for b in batches for g in modes):
+        if graph is not None:
+            graph.enabled, graph.replays = graphs, 0
         try:
             row = run_batch(engine, timers, b, args, vocab)
+            row["cuda_graphs"] = graphs
+            row["graph_replays"] = graph.replays if graph is not None else 0
             row["step_vs_floor"] = row["step_ms"] and floor["floor_ms"] / row["step_ms"]
             flops = step_flops(model, b, args.prompt + model.canvas_length)  # second canvas
             row["step_tflop"] = flops / 1e12
@@ -440,10 +462,16 @@ def main() -> None:
         except Exception as exc:
             row = {"batch": b, "error": f"{type(exc).__name__}: {exc}"[:300]}
             engine = Engine(cfg, loaded)  # rows of the failed run are dropped with it
+            graph = engine.runner.decode_graph
+            engine.runner.decode_graph = timers.timed(graph or model.decode_hidden)
         if loaded.device.type == "cuda":
             torch.cuda.empty_cache()
         report["runs"].append(row)
         print(json.dumps(row), flush=True)
+    for row in report["runs"]:  # the same requests with and without graphs: the same tokens
+        twin = [r for r in report["runs"] if r["batch"] == row["batch"] and r is not row]
+        if twin and "tokens_digest" in row and "tokens_digest" in twin[0]:
+            row["tokens_equal_other_mode"] = row["tokens_digest"] == twin[0]["tokens_digest"]
     if args.profile:
         report["profile"] = profile_steps(engine, args.profile, args, vocab)
     text = json.dumps(report, indent=2)

@@ -4,7 +4,8 @@ over `decoding/uniform_diffusion.py`'s per-row state.
 Each step every running row takes one denoising step (a row whose canvas starts first
 encodes its prompt or its last canvas); a row's window is empty until its canvas ends, then
 it is that whole canvas, which `Sequence` takes into its host mirror. Rows keep their own
-encoder caches as plain tensors (no page pool). A row with structured output or a required
+encoder caches as plain tensors (no page pool). On the GPU the decoder step is replayed
+from a CUDA graph while the batch and its caches stay the same (`DecodeGraph`). A row with structured output or a required
 tool call gets its canvases constrained as they end (`decoding/uniform_constraints.py`); a row
 whose matcher fails ends alone with its error.
 """
@@ -19,6 +20,7 @@ import torch
 from .decoding.uniform_constraints import CanvasConstraint
 from .decoding.uniform_diffusion import UniformRow, step_rows
 from .loader import LoadedModel
+from .models.diffusion_gemma import DecodeGraph
 from .sequence import Sequence
 
 
@@ -36,6 +38,8 @@ class UniformRunner:
         self.block_pages = None
         self.prefix_cache = None
         self.forward_passes = 0
+        # the decoder step from a CUDA graph while the batch's caches stay the same
+        self.decode_graph = DecodeGraph(self.model) if self.device.type == "cuda" else None
 
     # the scheduler's and engine's hooks; nothing to reserve or look ahead
     def admit(self, seq: Sequence) -> bool:
@@ -99,7 +103,7 @@ class UniformRunner:
         self.failed_rows = {}
         rows = [self._row(s) for s in seqs]
         self.forward_passes += 1
-        windows = [c or [] for c in step_rows(self.model, rows)]
+        windows = [c or [] for c in step_rows(self.model, rows, self.decode_graph)]
         for i, (seq, row, window) in enumerate(zip(seqs, rows, windows, strict=True)):
             if row.failure is not None:
                 self.failed_rows[i] = row.failure

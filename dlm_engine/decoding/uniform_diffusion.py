@@ -24,6 +24,7 @@ with `logit_bias` adds it to each step's logits before anything reads them, as a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -239,13 +240,16 @@ def canvas_logprobs(
     return out
 
 
-def step_rows(model: DiffusionGemmaModel, rows: list[UniformRow]) -> list[list[int] | None]:
+def step_rows(
+    model: DiffusionGemmaModel, rows: list[UniformRow], decode: Callable | None = None
+) -> list[list[int] | None]:
     """One denoising step for every row: encode where a canvas starts, one decoder forward
-    over all canvases, then each row samples, accepts and renoises with its own generator."""
+    over all canvases (`decode`, e.g. a `DecodeGraph`; the model's `decode_hidden` if None),
+    then each row samples, accepts and renoises with its own generator."""
     for row in rows:
         if row.current is None or row.to_encode is not None:
             row.start_canvas(model)
-    hidden = model.decode_hidden(
+    hidden = (decode or model.decode_hidden)(
         torch.cat([r.current for r in rows]), [r.soft for r in rows], [r.cache for r in rows]
     )
     # each row's logits alone (L x V float32 each), sampled from and dropped

@@ -25,6 +25,7 @@ transformers' `models/diffusion_gemma/modeling_diffusion_gemma.py`:
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -435,6 +436,9 @@ class _Backbone(nn.Module):
         self.decoder = _Decoder(a)
 
 
+_CACHE_VERSIONS = itertools.count()
+
+
 class RowCache:
     """One request's encoder keys and values, per layer [KV heads, S, d]; sliding layers keep
     only their last `sliding_window - 1` positions, as transformers' sliding cache layers.
@@ -449,6 +453,7 @@ class RowCache:
         self._buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
         self.room = room
         self.length = 0  # positions encoded so far
+        self.version = next(_CACHE_VERSIONS)  # new buffers, new version (never reused)
 
     def layer(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.keys[i], self.values[i]
@@ -461,6 +466,7 @@ class RowCache:
         kb[:, :s], vb[:, :s] = k, v
         self._buffers[i] = (kb, vb)
         self.keys[i], self.values[i] = kb[:, :s], vb[:, :s]
+        self.version = next(_CACHE_VERSIONS)
 
     def with_canvas(self, i: int, k: torch.Tensor, v: torch.Tensor):
         """Keys and values [KV, S + L, d] of layer i's cache followed by a canvas's k, v
@@ -488,6 +494,7 @@ class DiffusionGemmaModel(nn.Module):
         self.model = _Backbone(arch)
         self.embed_scale = float(torch.tensor(arch.hidden_size**0.5, device="cpu"))  # float32
         self._inv_freq: dict[tuple, torch.Tensor] = {}
+        self._scale: dict[tuple, torch.Tensor] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -506,7 +513,10 @@ class DiffusionGemmaModel(nn.Module):
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self._decoder.embed_tokens.weight
-        return F.embedding(ids, w) * torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
+        key = (w.dtype, w.device)
+        if key not in self._scale:  # made once: a CUDA graph cannot copy from the host
+            self._scale[key] = torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
+        return F.embedding(ids, w) * self._scale[key]
 
     def _rope(self, shape: LayerShape, positions: torch.Tensor, dtype: torch.dtype):
         key = (shape.rope_type, shape.head_dim, shape.rope_theta, shape.partial_rotary_factor)
@@ -574,15 +584,28 @@ class DiffusionGemmaModel(nn.Module):
         """The decoder's normed hidden states [B, L, H] for canvases [B, L], each row over its
         own cache (positions follow it), with its self-conditioning soft embeddings [1, L, H]
         (`soft_embedding`; None: none yet). `head` turns them into logits."""
+        w = self._decoder.embed_tokens.weight
+        signal = torch.zeros(*canvas.shape, w.shape[1], dtype=w.dtype, device=w.device)
+        for r, emb in enumerate(soft):
+            if emb is not None:
+                signal[r] = emb[0].to(w.dtype)
+        offsets = torch.tensor([c.length for c in caches], device=canvas.device)
+        return self.decode_core(canvas, signal, offsets, caches)
+
+    def decode_core(
+        self,
+        canvas: torch.Tensor,
+        signal: torch.Tensor,
+        offsets: torch.Tensor,
+        caches: list[RowCache],
+    ) -> torch.Tensor:
+        """`decode_hidden` from device tensors only (self-conditioning signals [B, L, H], each
+        row's encoded length [B]): nothing here reads the host, so it can be captured in a
+        CUDA graph (`DecodeGraph`)."""
         dec = self._decoder
         b, length = canvas.shape
         x = self._embed(canvas)
-        signal = torch.zeros_like(x)
-        for r, emb in enumerate(soft):
-            if emb is not None:
-                signal[r] = emb[0].to(x.dtype)
         x = dec.self_conditioning(x, signal)
-        offsets = torch.tensor([c.length for c in caches], device=canvas.device)
         pos = offsets[:, None] + torch.arange(length, device=canvas.device)[None]
         ropes: dict[LayerShape, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, layer in enumerate(dec.layers):
@@ -619,6 +642,69 @@ class DiffusionGemmaModel(nn.Module):
         return self.head(self.decode_hidden(canvas, soft, caches))
 
 
+class DecodeGraph:
+    """The decoder step replayed from a CUDA graph while the batch and its caches stay the
+    same (a canvas's steps after its first: 16 steps a canvas replay 14 times).
+
+    A step at small batch launches thousands of small kernels; on the GPU their launching,
+    not the work, sets the step's time. A graph is captured on the second step a key (the
+    rows' caches and their versions) is seen, so a batch whose composition changes every
+    step (rows starting canvases at different times) runs eagerly and never pays a capture;
+    one graph is kept. A capture that fails turns graphs off for good, with a log line."""
+
+    def __init__(self, model: DiffusionGemmaModel) -> None:
+        self.model = model
+        self.enabled = True
+        self.replays = 0
+        self._seen: tuple | None = None
+        self._graph: Any = None
+        self._key: tuple | None = None
+        self._inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._out: torch.Tensor | None = None
+
+    def __call__(
+        self, canvas: torch.Tensor, soft: list[torch.Tensor | None], caches: list[RowCache]
+    ) -> torch.Tensor:
+        """As `DiffusionGemmaModel.decode_hidden`; the result is valid until the next call."""
+        key = (tuple(canvas.shape), tuple((c.version, c.length) for c in caches))
+        if not self.enabled or not canvas.is_cuda or key != self._seen:
+            self._seen = key
+            self._drop()
+            return self.model.decode_hidden(canvas, soft, caches)
+        if self._key != key:
+            self._capture(key, canvas, caches)
+            if self._graph is None:
+                return self.model.decode_hidden(canvas, soft, caches)
+        ids, signal, offsets = self._inputs
+        ids.copy_(canvas)
+        signal.zero_()
+        for r, emb in enumerate(soft):
+            if emb is not None:
+                signal[r] = emb[0].to(signal.dtype)
+        self._graph.replay()
+        self.replays += 1
+        return self._out
+
+    def _drop(self) -> None:
+        self._graph = self._key = self._inputs = self._out = None
+
+    def _capture(self, key: tuple, canvas: torch.Tensor, caches: list[RowCache]) -> None:
+        w = self.model.model.decoder.embed_tokens.weight
+        ids = canvas.clone()
+        signal = torch.zeros(*canvas.shape, w.shape[1], dtype=w.dtype, device=w.device)
+        offsets = torch.tensor([c.length for c in caches], device=canvas.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                out = self.model.decode_core(ids, signal, offsets, caches)
+        except Exception as exc:  # a kernel that cannot be captured: eager from now on
+            log.warning("DiffusionGemma decoder graphs off: capture failed (%s)", exc)
+            self.enabled = False
+            self._drop()
+            return
+        self._graph, self._key, self._inputs, self._out = graph, key, (ids, signal, offsets), out
+
+
 VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 TIED_PREFIXES = ("model.encoder.language_model.", "lm_head.")
 
@@ -646,6 +732,7 @@ def is_diffusion_gemma(config: dict[str, Any]) -> bool:
 __all__ = [
     "ARCHITECTURE",
     "DiffusionGemmaArch",
+    "DecodeGraph",
     "DiffusionGemmaModel",
     "RowCache",
     "drop_unused",
