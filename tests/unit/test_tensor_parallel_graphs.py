@@ -76,3 +76,19 @@ def test_graphs_on_every_rank_give_one_devices_tokens(tmp_path, family, rows, co
     finally:
         two.runner.model.close()
     assert all(p.poll() is not None for p in two.runner.model.workers.procs)
+
+
+def test_a_worker_behind_rank_0_still_reads_every_command() -> None:
+    """Rank 0's host runs commands ahead of a worker's (a queued next forward while the worker
+    still captures a graph: four commands before rank 0 waits on the device): every header
+    stays readable until the worker has read it, in order."""
+    import torch.distributed as dist
+
+    from dlm_engine.parallel.channel import Channel
+
+    store = dist.HashStore()
+    rank0, worker = Channel(store), Channel(store)
+    for i in range(40):  # tensors-less commands: nothing to broadcast, one process suffices
+        rank0.send({"cmd": "head", "i": i}, [])
+    got = [worker.receive(torch.device("cpu"), lambda: False) for _ in range(40)]
+    assert [g[0]["i"] if g is not None else None for g in got] == list(range(40))
