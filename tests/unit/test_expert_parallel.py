@@ -127,3 +127,22 @@ def test_expert_parallel_is_refused_by_name_where_it_cannot_run(tmp_path) -> Non
     )
     with pytest.raises(ValueError, match=r"does not divide .*num_experts.*expert_parallel \(3\)"):
         Engine(EngineConfig(model=odd, tensor_parallel_size=2, expert_parallel=True))
+
+
+def test_expert_parallel_is_a_flag_an_env_var_and_a_parameter() -> None:
+    from dlm_triton.backend.settings import resolve_settings
+    from dlm_triton.launch import cli
+
+    args = cli.build_parser().parse_args(
+        ["serve", "--tensor-parallel-size", "2", "--expert-parallel"]
+    )
+    assert args.expert_parallel is True
+    assert cli.build_parser().parse_args(["serve"]).expert_parallel is None  # not set: default
+    params = {"checkpoint": "x", "expert_parallel": "true"}
+    assert resolve_settings(params, environ={}).expert_parallel is True
+    env = {"DLM_EXPERT_PARALLEL": "1"}
+    assert resolve_settings({"checkpoint": "x"}, environ=env).expert_parallel is True
+    assert resolve_settings({"checkpoint": "x"}, environ={}).expert_parallel is False
+    with pytest.raises(ValueError, match="expert_parallel must be true or false"):
+        resolve_settings({"checkpoint": "x", "expert_parallel": "maybe"}, environ={})
+    assert EngineConfig(model="x").expert_parallel is False
