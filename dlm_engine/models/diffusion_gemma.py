@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cuda_graphs import GraphCache
 from .family import Family
 from .grouped_experts import gated_experts
 
@@ -647,20 +648,18 @@ class DecodeGraph:
     same (a canvas's steps after its first: 16 steps a canvas replay 14 times).
 
     A step at small batch launches thousands of small kernels; on the GPU their launching,
-    not the work, sets the step's time. A graph is captured on the second step a key (the
-    rows' caches and their versions) is seen, so a batch whose composition changes every
-    step (rows starting canvases at different times) runs eagerly and never pays a capture;
-    one graph is kept. A capture that fails turns graphs off for good, with a log line."""
+    not the work, sets the step's time. A graph (`cuda_graphs.GraphCache`, one kept) is
+    captured on the second step a key (the rows' caches, their versions and lengths) is seen,
+    so a batch whose composition changes every step (rows starting canvases at different
+    times) runs eagerly and never pays a capture. A capture that fails turns graphs off for
+    good, with a log line."""
 
     def __init__(self, model: DiffusionGemmaModel) -> None:
         self.model = model
         self.enabled = True
         self.replays = 0
         self._seen: tuple | None = None
-        self._graph: Any = None
-        self._key: tuple | None = None
-        self._inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._out: torch.Tensor | None = None
+        self._graphs: Any = None
 
     def __call__(
         self, canvas: torch.Tensor, soft: list[torch.Tensor | None], caches: list[RowCache]
@@ -669,40 +668,36 @@ class DecodeGraph:
         key = (tuple(canvas.shape), tuple((c.version, c.length) for c in caches))
         if not self.enabled or not canvas.is_cuda or key != self._seen:
             self._seen = key
-            self._drop()
+            if self._graphs is not None:
+                self._graphs.clear()  # its caches are gone or moved: free its memory
             return self.model.decode_hidden(canvas, soft, caches)
-        if self._key != key:
-            self._capture(key, canvas, caches)
-            if self._graph is None:
-                return self.model.decode_hidden(canvas, soft, caches)
-        ids, signal, offsets = self._inputs
-        ids.copy_(canvas)
-        signal.zero_()
+        if self._graphs is None:
+            self._graphs = GraphCache(canvas.device, max_graphs=1, warmups=0)
+        w = self.model.model.decoder.embed_tokens.weight
+        signal = torch.zeros(*canvas.shape, w.shape[1], dtype=w.dtype, device=w.device)
         for r, emb in enumerate(soft):
             if emb is not None:
-                signal[r] = emb[0].to(signal.dtype)
-        self._graph.replay()
-        self.replays += 1
-        return self._out
+                signal[r] = emb[0].to(w.dtype)
+        inputs = {
+            "ids": canvas,
+            "signal": signal,
+            "offsets": torch.tensor([c.length for c in caches], device=canvas.device),
+        }
 
-    def _drop(self) -> None:
-        self._graph = self._key = self._inputs = self._out = None
+        def step(static: dict[str, torch.Tensor]) -> torch.Tensor:
+            return self.model.decode_core(
+                static["ids"], static["signal"], static["offsets"], caches
+            )
 
-    def _capture(self, key: tuple, canvas: torch.Tensor, caches: list[RowCache]) -> None:
-        w = self.model.model.decoder.embed_tokens.weight
-        ids = canvas.clone()
-        signal = torch.zeros(*canvas.shape, w.shape[1], dtype=w.dtype, device=w.device)
-        offsets = torch.tensor([c.length for c in caches], device=canvas.device)
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
-                out = self.model.decode_core(ids, signal, offsets, caches)
+            out = self._graphs.run(key, step, inputs)
         except Exception as exc:  # a kernel that cannot be captured: eager from now on
             log.warning("DiffusionGemma decoder graphs off: capture failed (%s)", exc)
             self.enabled = False
-            self._drop()
-            return
-        self._graph, self._key, self._inputs, self._out = graph, key, (ids, signal, offsets), out
+            self._graphs.clear()
+            return self.model.decode_hidden(canvas, soft, caches)
+        self.replays += 1
+        return out
 
 
 VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
