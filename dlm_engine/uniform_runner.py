@@ -38,8 +38,10 @@ class UniformRunner:
         self.block_pages = None
         self.prefix_cache = None
         self.forward_passes = 0
-        # the decoder step from a CUDA graph while the batch's caches stay the same
-        self.decode_graph = DecodeGraph(self.model) if self.device.type == "cuda" else None
+        # the decoder step from a CUDA graph while the batch's caches stay the same (not for a
+        # model whose calls first send commands to other ranks: dlm_engine/parallel/gemma.py)
+        graphs = self.device.type == "cuda" and getattr(self.model, "graph_steps", True)
+        self.decode_graph = DecodeGraph(self.model) if graphs else None
 
     # the scheduler's and engine's hooks; nothing to reserve or look ahead
     def admit(self, seq: Sequence) -> bool:

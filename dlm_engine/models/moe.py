@@ -17,6 +17,7 @@ CUDA graph. Where `_grouped_mm` is unavailable for a device and dtype, a per-row
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,8 +96,10 @@ def run_experts(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     first_expert: int | None = None,
+    act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = silu_mul,
 ) -> torch.Tensor:
-    """Sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)).
+    """Sum over each token's chosen experts of weight * down(act(gate(x), up(x))) (`act`:
+    silu(gate) * up unless given).
 
     x [N, H]; chosen/weights [N, k]; w_gate_up [E, H, 2I] (gate columns, then up);
     w_down [E, I, H]. The weighted sum is taken in float32, as published.
@@ -125,7 +128,7 @@ def run_experts(
         expert_of_row = expert_of_row.clamp(max=n_local - 1)
     xs = x[order // k]
     gate, up = grouped_linear(xs, w_gate_up, offs, expert_of_row).chunk(2, dim=-1)
-    ys = grouped_linear(silu_mul(gate, up), w_down, offs, expert_of_row)
+    ys = grouped_linear(act(gate, up), w_down, offs, expert_of_row)
     unsorted = torch.empty_like(ys)
     unsorted[order] = ys
     if mine is not None:  # rows past the last group hold whatever the GEMM left there

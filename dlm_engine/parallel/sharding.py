@@ -15,6 +15,8 @@ spread whole over the ranks instead: rank r holds experts r*E/N .. (r+1)*E/N - 1
 renumbered from 0, and its MoE layer learns its first expert (`first_expert`, see
 `models/moe.py`'s `run_experts`); the shared expert and everything else stays as above, so the
 MoE layer still ends in the one all-reduce that sums the ranks' partial outputs.
+DiffusionGemma runs only under expert parallel: its stacked experts (`expert_stack`) are
+sliced by expert into `gemma.LocalExperts`, everything else is replicated.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ PARTIAL = "partial"
 QKV = "qkv"
 # one routed expert's tensor under expert parallel: whole on the rank that holds the expert
 EXPERT = "expert"
+# a stacked experts tensor [E, ...] under expert parallel: this rank's E/N experts
+EXPERT_ROWS = "expert_rows"
+NEVER = r"(?!)"  # a pattern no name matches (the root module's empty name included)
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,13 @@ class FamilyRules:
     expert_list: str | None = None
     expert_tensor: str | None = None
     expert_count_key: str = "num_experts"
+    # expert parallel over stacked experts: the module (replaced by `gemma.LocalExperts`) and
+    # a pattern of its published tensors, sliced by expert
+    expert_stack: str | None = None
+    expert_stack_tensor: str | None = None
+    # False: nothing is split by tensor parallel (only expert parallel runs)
+    tensor_parallel: bool = True
+    skip: tuple[str, ...] = ()  # published tensors never read (a vision tower)
 
 
 # LLaDA (`model.transformer.blocks.N.*`): the head `model.transformer.ff_out` is the vocab
@@ -105,28 +117,46 @@ LLADA2_RULES = FamilyRules(
     expert_list=r"\.mlp\.experts$",
     expert_tensor=r"\.mlp\.experts\.(\d+)\.",
 )
+# DiffusionGemma (`model.decoder.layers.N.experts.{gate_up_proj,down_proj}`, [E, ...]): only
+# its experts are spread (expert parallel); attention, dense MLPs and router are replicated
+GEMMA_RULES = FamilyRules(
+    (),
+    expert_stack=r"\.layers\.\d+\.experts$",
+    expert_stack_tensor=r"\.layers\.\d+\.experts\.(gate_up_proj|down_proj)$",
+    tensor_parallel=False,
+    skip=("model.encoder.vision_tower.", "model.encoder.embed_vision."),
+)
 RULES: dict[str, FamilyRules] = {
     "llada": LLADA_RULES,
     "dream": QWEN_RULES,
     "sdar": QWEN_RULES,
     "llada2": LLADA2_RULES,
+    "diffusion_gemma": GEMMA_RULES,
 }
 
 
-def rules_for(family: str) -> FamilyRules:
+def _has_experts(rules: FamilyRules) -> bool:
+    return rules.expert_tensor is not None or rules.expert_stack is not None
+
+
+def rules_for(family: str, expert_parallel: bool = False) -> FamilyRules:
     """The family's table, or a clear error naming the setting for a family without one."""
-    if family not in RULES:
+    rules = RULES.get(family)
+    if rules is None or not (rules.tensor_parallel or expert_parallel):
+        split = sorted(f for f, r in RULES.items() if r.tensor_parallel)
+        only_ep = sorted(f for f, r in RULES.items() if not r.tensor_parallel)
         raise ValueError(
             f"tensor_parallel_size > 1 is not supported for the {family} family yet "
-            f"(supported: {', '.join(sorted(RULES))}); serve it with tensor_parallel_size 1"
+            f"(supported: {', '.join(split)}; with expert_parallel only: {', '.join(only_ep)}); "
+            "serve it with tensor_parallel_size 1"
         )
-    return RULES[family]
+    return rules
 
 
 def check_expert_parallel(family: str, rules: FamilyRules) -> None:
     """A clear error naming the setting for a family without routed experts."""
-    if rules.expert_list is None or rules.expert_tensor is None:
-        with_experts = sorted(f for f, r in RULES.items() if r.expert_list is not None)
+    if not _has_experts(rules):
+        with_experts = sorted(f for f, r in RULES.items() if _has_experts(r))
         raise ValueError(
             f"expert_parallel is not supported for the {family} family (supported: "
             f"{', '.join(with_experts)}); serve it without expert_parallel"
@@ -137,6 +167,8 @@ def kind_of(name: str, rules: FamilyRules, expert_parallel: bool = False) -> str
     """How the published tensor `name` is split across ranks."""
     if expert_parallel and rules.expert_tensor and re.search(rules.expert_tensor, name):
         return EXPERT
+    if expert_parallel and rules.expert_stack_tensor and re.search(rules.expert_stack_tensor, name):
+        return EXPERT_ROWS
     for pattern, kind in rules.tensors:
         if re.search(pattern, name):
             return kind
@@ -179,14 +211,24 @@ def shard_model(
     with 1/world of their outputs, row layers with 1/world of their inputs (all-reduced),
     the untied head over 1/world of the vocabulary, attention over 1/world of the heads;
     with `expert_parallel`, 1/world of the routed experts, whole."""
-    rules = rules_for(family)
+    rules = rules_for(family, expert_parallel)
     if expert_parallel:
         check_expert_parallel(family, rules)
     for name, module in list(model.named_modules()):
-        if expert_parallel and re.search(rules.expert_list or "$^", name):
+        if expert_parallel and re.search(rules.expert_stack or NEVER, name):
+            from .gemma import LocalExperts
+
+            parent_name, _, attr = name.rpartition(".")
+            setattr(
+                model.get_submodule(parent_name), attr, LocalExperts(module, rank, world, group)
+            )
+            continue
+        if not rules.tensor_parallel:
+            continue  # the rest is replicated
+        if expert_parallel and re.search(rules.expert_list or NEVER, name):
             _keep_own_experts(model, name, module, rank, world)
             continue
-        if expert_parallel and re.search(rules.expert_tensor or "$^", name + "."):
+        if expert_parallel and re.search(rules.expert_tensor or NEVER, name + "."):
             continue  # inside a routed expert: whole, or gone with the others' experts
         if hasattr(module, "n_heads") and hasattr(module, "n_kv_heads"):
             module.n_heads = _split(module.n_heads, world, f"{name} attention heads")
@@ -230,6 +272,9 @@ def _slice(sl, kind: str, rank: int, world: int, qkv: tuple[int, int] | None) ->
     if kind in (ROW, PARTIAL) and len(shape) == 2:  # a row layer's bias is whole
         n = shape[1] // world
         return sl[:, rank * n : (rank + 1) * n]
+    if kind == EXPERT_ROWS:
+        n = shape[0] // world
+        return sl[rank * n : (rank + 1) * n]
     if kind == VOCAB:
         per = -(-shape[0] // world)
         lo, hi = min(rank * per, shape[0]), min((rank + 1) * per, shape[0])
@@ -254,16 +299,18 @@ def read_shard(
     """Rank `rank`'s slice of every published tensor, cast to `dtype` when floating; under
     `expert_parallel` only this rank's routed experts, whole and renumbered from 0 (the
     others' bytes are never read)."""
-    rules = rules_for(family)
+    rules = rules_for(family, expert_parallel)
     qkv = rules.qkv_rows(config) if rules.qkv_rows is not None else None
     per_rank = 0
-    if expert_parallel:
+    if expert_parallel and rules.expert_tensor is not None:
         check_expert_parallel(family, rules)
         per_rank = _split(int(config[rules.expert_count_key]), world, "num_experts")
     state: dict[str, torch.Tensor] = {}
     for f in weight_files(path):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if rules.skip and name.startswith(rules.skip):
+                    continue
                 kind = kind_of(name, rules, expert_parallel)
                 if kind == EXPERT:
                     local = _own_expert(name, rules, rank, per_rank)
@@ -280,7 +327,7 @@ def read_shard(
 def _own_expert(name: str, rules: FamilyRules, rank: int, per_rank: int) -> str | None:
     """The local name of a routed expert's tensor on rank `rank` (experts renumbered from
     0), or None when another rank holds that expert."""
-    m = re.search(rules.expert_tensor or "$^", name)
+    m = re.search(rules.expert_tensor or NEVER, name)
     assert m is not None
     local = int(m.group(1)) - rank * per_rank
     if not 0 <= local < per_rank:

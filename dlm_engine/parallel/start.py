@@ -42,7 +42,7 @@ def check_supported(config: EngineConfig, raw: dict[str, Any], family: Family) -
         )
     if fp8_format(raw) is not None:
         raise ValueError(f"FP8 checkpoints are not supported with tensor_parallel_size {world} yet")
-    rules_for(family.name)  # a family without a sharding table: a clear error
+    rules_for(family.name, config.expert_parallel)  # no sharding table: a clear error
     with torch.device("meta"):  # heads and widths that do not divide: refused before any start
         shard_model(
             build_model(family, raw), family.name, world, expert_parallel=config.expert_parallel
@@ -81,7 +81,8 @@ def start_tensor_parallel(config: EngineConfig) -> LoadedModel:
         raise ValueError("random checkpoints are not supported with tensor_parallel_size > 1")
     path = resolve_checkpoint(config.model, config.revision)  # once, before any worker reads
     raw = json.loads((path / "config.json").read_text())
-    check_supported(config, raw, detect_family(raw))
+    family = detect_family(raw)
+    check_supported(config, raw, family)
     store = host_store(world, TIMEOUT_S)
     spec = {
         "path": str(path),
@@ -105,5 +106,10 @@ def start_tensor_parallel(config: EngineConfig) -> LoadedModel:
     except BaseException:
         workers.stop()
         raise
-    model = ParallelLM(loaded.model, Channel(store), workers)
+    if family.uniform_diffusion:  # DiffusionGemma: its own calls (encode, decode_hidden)
+        from .gemma import ParallelGemma
+
+        model: nn.Module = ParallelGemma(loaded.model, Channel(store), workers)
+    else:
+        model = ParallelLM(loaded.model, Channel(store), workers)
     return dataclasses.replace(loaded, model=model)

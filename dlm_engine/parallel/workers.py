@@ -189,7 +189,12 @@ def worker_main(spec: dict[str, Any]) -> int:
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
         store.set(f"ready/{rank}", f"error: {type(exc).__name__}: {exc}")
         return 1
-    worker = WorkerModel(loaded.model, device)
+    if loaded.family.uniform_diffusion:  # DiffusionGemma under expert parallel
+        from .gemma import GemmaWorker
+
+        worker: WorkerModel | GemmaWorker = GemmaWorker(loaded.model, device)
+    else:
+        worker = WorkerModel(loaded.model, device)
     store.set(f"ready/{rank}", "ok")
     channel = Channel(store)
 

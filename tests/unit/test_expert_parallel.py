@@ -146,3 +146,55 @@ def test_expert_parallel_is_a_flag_an_env_var_and_a_parameter() -> None:
     with pytest.raises(ValueError, match="expert_parallel must be true or false"):
         resolve_settings({"checkpoint": "x", "expert_parallel": "maybe"}, environ={})
     assert EngineConfig(model="x").expert_parallel is False
+
+
+def test_diffusion_gemma_ep2_equals_one_device(tmp_path) -> None:
+    """DiffusionGemma under expert parallel (its only parallel mode): each rank holds 2 of the
+    4 experts of every layer (sliced from the stacked tensors), attention and dense MLPs
+    replicated, the workers mirror each row's encoder cache; batched rows with their seeds
+    give one device's tokens, and a cache dropped on rank 0 is dropped on the workers."""
+    from dlm_engine.parallel.gemma import LocalExperts, ParallelGemma
+    from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
+
+    path = str(make_tiny_diffusion_gemma(tmp_path / "gemma", seed=4))
+    one = Engine(EngineConfig(model=path, dtype="float32", max_rows=4))
+    with pytest.raises(ValueError, match="not supported for the diffusion_gemma family"):
+        Engine(EngineConfig(model=path, tensor_parallel_size=2))  # splitting it: not yet
+    two = Engine(
+        EngineConfig(
+            model=path, dtype="float32", max_rows=4, tensor_parallel_size=2, expert_parallel=True
+        )
+    )
+    model = two.runner.model
+    try:
+        assert isinstance(model, ParallelGemma) and len(model.workers.pids) == 1
+        experts = model.local.model.decoder.layers[0].experts
+        whole = one.runner.model.model.decoder.layers[0].experts
+        assert isinstance(experts, LocalExperts) and experts.first == 0
+        assert experts.gate_up_proj.shape[0] * 2 == whole.gate_up_proj.shape[0]
+        assert torch.equal(experts.gate_up_proj, whole.gate_up_proj[:2])
+        tok = one.tokenizer
+
+        def prompt(text: str) -> list[int]:
+            chat = [{"role": "user", "content": text}]
+            return tok.encode(
+                tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
+                add_special_tokens=False,
+            )
+
+        prompts = [prompt("hi there"), prompt("What is 12 + 7?"), prompt("sort 4 2 9")]
+        params = [
+            {"seed": 1, "max_tokens": 40},
+            {"seed": 3, "max_tokens": 20},
+            {"seed": 6, "max_tokens": 48},
+        ]
+
+        def tokens(engine: Engine, ps, pp) -> list[list[int]]:
+            return [o.token_ids for o in engine.generate(ps, pp)]
+
+        assert tokens(two, prompts[:1], params[0]) == tokens(one, prompts[:1], params[0])
+        assert tokens(two, prompts, params) == tokens(one, prompts, params)
+        assert model.ids.next >= 4  # a cache a row, each numbered once
+    finally:
+        model.close()
+    assert all(p.poll() is not None for p in model.workers.procs)

@@ -1,0 +1,198 @@
+"""Expert parallel for DiffusionGemma: its experts spread over the ranks, the rest replicated.
+
+DiffusionGemma's attention and dense MLPs are not split over ranks; with `expert_parallel`
+each rank holds num_experts / N of every layer's stacked experts (`LocalExperts`, sliced by
+expert as the checkpoint stores them), runs them as grouped GEMMs on the (token, expert)
+pairs routed to them and sums the ranks' outputs with one all-reduce per layer. The router
+is replicated, so every rank routes every token alike.
+
+Rank 0's `ParallelGemma` stands where the model stands for `UniformRunner`: `encode` and
+`decode_hidden` first send the workers the call (`channel.py`) and then run rank 0's copy; the
+workers keep a mirror of every row's encoder cache (by a number rank 0 gives each
+`RowCache`) and drop it once rank 0's is gone. The self-conditioning embedding and the output
+head read only replicated weights: rank 0 runs them alone.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.moe import run_experts
+from .channel import Channel
+
+
+def _gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class LocalExperts(nn.Module):
+    """A rank's slice of one layer's stacked experts — model experts `first` .. `first` + n - 1
+    under the published names (`gate_up_proj` [n, 2I, H], `down_proj` [n, H, I]) — whose
+    output is summed over the ranks."""
+
+    def __init__(self, experts: nn.Module, rank: int, world: int, group=None) -> None:
+        super().__init__()
+        total = experts.gate_up_proj.shape[0]
+        if total % world:
+            raise ValueError(
+                f"tensor_parallel_size {world} does not divide num_experts ({total}) under "
+                "expert_parallel"
+            )
+        n = total // world
+        self.gate_up_proj = nn.Parameter(torch.empty(n, *experts.gate_up_proj.shape[1:]))
+        self.down_proj = nn.Parameter(torch.empty(n, *experts.down_proj.shape[1:]))
+        self.first = rank * n
+        self.group = group
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
+        out = run_experts(
+            x,
+            index,
+            weights,
+            self.gate_up_proj.transpose(-2, -1),
+            self.down_proj.transpose(-2, -1),
+            first_expert=self.first,
+            act=_gelu_mul,
+        )
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+class _CacheIds:
+    """A number for each of rank 0's row caches, and the numbers of those since dropped."""
+
+    def __init__(self) -> None:
+        self.next = 0
+        self.dropped: list[int] = []
+
+    def of(self, cache: Any) -> int:
+        cid = getattr(cache, "_parallel_id", None)
+        if cid is None:
+            cid = cache._parallel_id = self.next
+            self.next += 1
+            weakref.finalize(cache, self.dropped.append, cid)
+        return cid
+
+    def take_dropped(self) -> list[int]:
+        dropped, self.dropped = self.dropped, []
+        return dropped
+
+
+class ParallelGemma(nn.Module):
+    """Rank 0's DiffusionGemma under expert parallel (see the module's docstring)."""
+
+    logits_shift = 0
+    # the runner's decoder-step graphs would replay rank 0's kernels without the workers
+    graph_steps = False
+
+    def __init__(self, local: nn.Module, channel: Channel, workers) -> None:
+        super().__init__()
+        self.local = local
+        self.channel = channel
+        self.workers = workers  # workers.WorkerSet
+        self.arch = local.arch
+        self.embed_scale = local.embed_scale
+        self.ids = _CacheIds()
+        self.broken: str | None = None
+
+    # what the runner and the sampler read of the model
+    @property
+    def model(self) -> nn.Module:
+        return self.local.model
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.local.vocab_size)
+
+    @property
+    def canvas_length(self) -> int:
+        return int(self.local.canvas_length)
+
+    @property
+    def world(self) -> int:
+        return self.workers.world
+
+    def fuse_projections(self) -> None:
+        """Nothing to fuse (as the model itself)."""
+
+    def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.local.soft_embedding(logits)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.local.head(h)
+
+    def _call(self, header: dict[str, Any], tensors: list[torch.Tensor], run):
+        from .model import TensorParallelError
+
+        self.workers.check()
+        if self.broken is not None:
+            raise TensorParallelError(f"an earlier expert-parallel forward failed ({self.broken})")
+        header["drop"] = self.ids.take_dropped()
+        try:
+            self.channel.send(header, tensors)
+            return run()
+        except Exception as exc:
+            self.broken = f"{type(exc).__name__}: {exc}"
+            self.workers.check()
+            raise TensorParallelError(f"expert-parallel forward failed: {exc}") from exc
+
+    def _cache_header(self, cache) -> list[int]:
+        return [self.ids.of(cache), int(getattr(cache, "room", 0)), len(cache.keys)]
+
+    @torch.no_grad()
+    def encode(self, ids: torch.Tensor, start: int, cache) -> None:
+        header = {"cmd": "gemma_encode", "start": int(start), "cache": self._cache_header(cache)}
+        self._call(header, [ids], lambda: self.local.encode(ids, start, cache))
+
+    @torch.no_grad()
+    def decode_hidden(self, canvas: torch.Tensor, soft: list, caches: list) -> torch.Tensor:
+        header = {
+            "cmd": "gemma_decode",
+            "caches": [self._cache_header(c) for c in caches],
+            "soft": [s is not None for s in soft],
+        }
+        tensors = [canvas] + [s for s in soft if s is not None]
+        return self._call(header, tensors, lambda: self.local.decode_hidden(canvas, soft, caches))
+
+    def close(self) -> None:
+        """Stop and reap the workers and leave the process group."""
+        self.workers.stop()
+
+
+class GemmaWorker:
+    """A worker rank of DiffusionGemma under expert parallel: its model (experts sliced, the
+    rest whole) and a mirror of each of rank 0's row caches."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        from ..models.diffusion_gemma import RowCache
+
+        self.model = model
+        self.device = device
+        self.row_cache = RowCache
+        self.caches: dict[int, Any] = {}
+
+    def _cache(self, spec: list[int]):
+        cid, room, layers = spec
+        if cid not in self.caches:
+            self.caches[cid] = self.row_cache(layers, room=room)
+        return self.caches[cid]
+
+    @torch.inference_mode()
+    def run(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        for cid in header.get("drop", ()):
+            self.caches.pop(cid, None)
+        if header["cmd"] == "gemma_encode":
+            self.model.encode(tensors[0], header["start"], self._cache(header["cache"]))
+            return
+        if header["cmd"] != "gemma_decode":
+            raise ValueError(f"unknown command {header['cmd']!r} for a DiffusionGemma worker")
+        given = iter(tensors[1:])
+        soft = [next(given) if has else None for has in header["soft"]]
+        caches = [self._cache(spec) for spec in header["caches"]]
+        self.model.decode_hidden(tensors[0], soft, caches)
