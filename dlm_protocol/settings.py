@@ -389,7 +389,8 @@ SETTINGS: tuple[Setting, ...] = (
         False,
         "with `tensor_parallel_size` N, spread a mixture-of-experts model's routed experts "
         "whole over the N ranks (num_experts / N each) instead of splitting every expert N "
-        "ways (LLaDA2; one device: no effect)",
+        "ways (LLaDA2; DiffusionGemma, whose other layers are then replicated; one device: "
+        "no effect)",
     ),
 )
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
