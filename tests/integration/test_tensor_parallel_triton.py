@@ -58,3 +58,29 @@ def test_dream_tp2_through_triton(server_factory, dream_checkpoint: Path) -> Non
     while _workers_of(dream_checkpoint) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _workers_of(dream_checkpoint) == []
+
+
+def test_diffusion_gemma_expert_parallel_through_triton(server_factory, tmp_path: Path) -> None:
+    """`expert_parallel` as a config parameter reaches the engine: DiffusionGemma, which
+    serves over 2 ranks only with it (refused without), gives the one-device engine's text."""
+    from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
+
+    ckpt = make_tiny_diffusion_gemma(tmp_path / "tiny-dg-ep", canvas_length=16)
+    params = {"tensor_parallel_size": "2", "expert_parallel": "true"}
+    server = server_factory(ckpt, name="tiny-dg-ep", engine_params=params)
+    assert len(_workers_of(ckpt)) == 1
+    client = DLMClient(server.urls["grpc"], server.model_name, http_url=server.urls["http"])
+    torch.set_num_threads(1)
+    engine = Engine(EngineConfig(model=str(ckpt), device="cpu"))
+    keys = {"seed": 7, "max_tokens": 32, "stop_entropy": 0.3, "stability_threshold": 0}
+    for text in ("Sort 4 2 9.", "Name a color, please."):
+        got = client.generate(text, **keys)
+        want = engine.generate([engine.encode_prompt(text=text)], keys)[0]
+        assert want.completion_tokens > 0
+        assert got.text == want.text
+        assert got.completion_tokens == want.completion_tokens
+    server.stop()
+    deadline = time.monotonic() + 15
+    while _workers_of(ckpt) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _workers_of(ckpt) == []
