@@ -9,7 +9,8 @@ exceeds a sibling's stays inside ``execute()`` (after queueing what it was given
 no longer so, and Triton gives the next requests to the instances that are free. The least busy
 instance never waits, so some instance always takes work.
 
-Each instance publishes one number (its outstanding requests) in a small file under
+Each instance publishes one number (its outstanding work: the token-forwards its open requests
+were estimated to need, so one long answer outweighs many short ones) in a small file under
 ``/dev/shm/dlm_load_<tritonserver pid>_<model>/<stub pid>``; siblings read the others' files.
 A file whose stub is gone is skipped and removed; the instance removes its own at shutdown and
 the launcher removes the directory of a server it stopped (``remove_boards``).
@@ -31,8 +32,9 @@ PREFIX = "dlm_load_"
 _VALUE = struct.Struct("<q")
 # How often a waiting instance re-reads its siblings' load, and the longest it waits: a sibling
 # that stops taking requests (wedged, not dead) must not hold this instance's intake forever.
+# Shorter caps leak: every expiry hands the busy instance one more request.
 POLL_S = 0.002
-MAX_WAIT_S = 5.0
+MAX_WAIT_S = 30.0
 
 
 def board_dir(model: str, server_pid: int, root: Path = ROOT) -> Path:

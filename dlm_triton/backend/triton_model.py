@@ -36,6 +36,7 @@ from dlm_triton.backend.step_metrics import (
     StepFigures,
     StepMetrics,
 )
+from dlm_triton.instance_load import LoadBoard, board_dir
 
 if TYPE_CHECKING:
     from dlm_engine.outputs import RequestOutput
@@ -64,6 +65,7 @@ class _Live:
     sender: Any
     stream: bool
     t0: float
+    work: int = 0  # estimated token-forwards (steps x (prompt + answer tokens))
     first_text_at: float | None = None  # set by the engine thread for a non-streamed request
     ttft_recorded: bool = False
     cancel_requested: bool = False  # the client cancelled or went away
@@ -78,6 +80,17 @@ def _output_tensor(spec: tensors.TensorSpec, value: Any) -> Any:
     """One ``[1, 1]`` output of the contract's datatype (BYTES as UTF-8)."""
     value = str(value or "").encode("utf-8") if spec.datatype == "BYTES" else value or 0
     return pb_utils.Tensor(spec.name, np.array([[value]], dtype=spec.numpy_dtype))
+
+
+def _load_board(model_config: dict[str, Any], model_name: str) -> LoadBoard | None:
+    """This instance's place on the model's load board, when the model can have several
+    instances (KIND_GPU places one on each listed or visible GPU); None for a lone one."""
+    groups = model_config.get("instance_group") or []
+    instances = sum(int(g.get("count") or 1) * max(1, len(g.get("gpus") or [])) for g in groups)
+    gpu_wide = any(g.get("kind") == "KIND_GPU" and not g.get("gpus") for g in groups)
+    if instances <= 1 and not gpu_wide:
+        return None
+    return LoadBoard(board_dir(model_name, os.getppid()))
 
 
 class TritonPythonModel:
@@ -113,6 +126,7 @@ class TritonPythonModel:
 
         self._live: dict[str, _Live] = {}
         self._live_lock = threading.Lock()
+        self._work = 0  # the live requests' work estimates summed (under _live_lock)
         self._ids = itertools.count()
         self._outbox: queue.Queue = queue.Queue()
         self._closing = False
@@ -125,6 +139,8 @@ class TritonPythonModel:
             fused_fallbacks=lambda: len(FusedKernels.fallbacks),
         )
         self._intake = Intake()
+        # several instances of this model (one per GPU): new requests go to the least busy
+        self._board = _load_board(model_config, self.model_name)
         self._sender = threading.Thread(target=self._send_loop, name="dlm-sender", daemon=True)
         self._watcher = threading.Thread(target=self._watch_loop, name="dlm-watch", daemon=True)
         self._sender.start()
@@ -204,6 +220,8 @@ class TritonPythonModel:
         self._stop.set()
         for live in list(self._live.values()):
             self._fail(live, "internal error: the model was unloaded before the request finished")
+        if self._board is not None:
+            self._board.close()
         pb_utils.Logger.log_info(
             f"dlm model {self.model_name}: finalized in {time.monotonic() - started:.2f}s"
         )
@@ -232,6 +250,8 @@ class TritonPythonModel:
                 continue
             # a large prompt is parsed and tokenized on a worker, never before small ones
             self._intake.accept(inputs, lambda r=request, i=inputs, t=t0: self._accept(r, i, t))
+        if self._board is not None:  # busier than a sibling: Triton gives it the next ones
+            self._board.wait_turn(lambda: self._work, lambda: self._closing)
         return None
 
     def _accept(self, request: Any, inputs: dict[str, np.ndarray], t0: float) -> None:
@@ -257,8 +277,12 @@ class TritonPythonModel:
 
         rid = f"{request.request_id() or 'req'}#{next(self._ids)}"
         live = _Live(rid, request, sender, parsed.stream, t0)
+        # its share of this instance's outstanding work, in token-forwards: a 256-step answer
+        # weighs 32x an 8-step one (the load board compares instances by this sum)
+        live.work = max(1, params.steps) * (len(prompt_ids) + params.max_tokens)
         with self._live_lock:
             self._live[rid] = live
+            self._work += live.work
         self.loop.submit(rid, prompt_ids, params, lambda out, live=live: self._on_output(live, out))
 
     def _inputs(self, request: Any) -> dict[str, np.ndarray]:
@@ -415,7 +439,10 @@ class TritonPythonModel:
     def _close(self, live: _Live) -> None:
         live.closed = True
         with self._live_lock:
-            self._live.pop(live.rid, None)
+            if self._live.pop(live.rid, None) is not None:
+                self._work -= live.work
+        if self._board is not None:
+            self._board.publish(self._work)
 
     # ------------------------------------------------------------------ watcher thread
     def _watch_loop(self) -> None:

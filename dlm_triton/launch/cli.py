@@ -63,6 +63,15 @@ def _serve_parser(sub: Any) -> None:
     )
     for setting in settings.serve_flags():  # one flag per server setting
         _setting_flag(p, setting)
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="GPUs only: N engine replicas (Triton instances) of each model, each on its own "
+        "group of tensor_parallel_size GPUs, new requests to the least busy (env "
+        "DLM_DATA_PARALLEL_SIZE; default: as many groups as the visible GPUs hold)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in Docker)")
     p.add_argument("--http-port", type=int, default=8000, help="Triton HTTP port")
     p.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port")
@@ -240,6 +249,7 @@ def serve(args: argparse.Namespace) -> int:
         restrict_admin=not args.no_restrict_admin,
         admin_key_file=args.admin_key_file,
         also=also,
+        data_parallel_size=args.data_parallel_size,
     )
     with_also = f" (also {', '.join(also)})" if also else ""
     print(

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dlm_protocol import settings
+from dlm_triton.instance_load import remove_boards
 from dlm_triton.launch import admin_key, model_repo
 from dlm_triton.launch.checkpoint_fetch import fetch_checkpoint, served_checkpoint
 from dlm_triton.launch.procs import (
@@ -41,6 +42,7 @@ from dlm_triton.launch.procs import (
     spawn,
     suppress,
     terminate,
+    visible_gpus,
 )
 from dlm_triton.launch.runtime_info import model_info
 from dlm_triton.launch.server_dist import ServerDist, find_server
@@ -61,6 +63,8 @@ __all__ = [
 
 STUB_NAME = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
+# Instances (engine replicas) per model on GPUs: `dlm-triton serve --data-parallel-size`.
+DATA_PARALLEL_ENV = "DLM_DATA_PARALLEL_SIZE"
 SHM_PREFIX = "triton_python_backend_shm_region"
 DEFAULT_MODEL = "tiny-dlm"
 # Served beside DEFAULT_MODEL by a plain `dlm-triton serve` (no --model; --no-also turns it
@@ -203,8 +207,10 @@ class TritonServerProcess:
         restrict_admin: bool = True,
         admin_key_file: Path | None = None,
         also: Sequence[str] = (),
+        data_parallel_size: int | None = None,
     ) -> None:
         self.model = model
+        self.data_parallel_size = data_parallel_size
         self.also = [also] if isinstance(also, str) else list(also)
         self.device = ("cuda" if has_gpu() else "cpu") if device == "auto" else device
         self.dtype, self.quantization = dtype, quantization
@@ -243,6 +249,7 @@ class TritonServerProcess:
         self._shm_config = f"shm-region-prefix-name={self.shm_prefix}"
         self._supervisor: Supervisor | None = None
         self.restart_log: list[dict[str, object]] = []
+        self.placement: dict[str, list[int]] = {}  # model -> first GPU of each instance
 
     # ----------------------------------------------------------------- model choice
     def _overrides(self) -> dict[str, str]:
@@ -302,6 +309,52 @@ class TritonServerProcess:
         if self.also:
             choice.also = self._check_also(choice)
         return choice
+
+    def _place_instances(self, choice: ModelChoice) -> None:
+        """Engine replicas: on GPUs one instance per group of `tensor_parallel_size` GPUs
+        (`data_parallel_size` groups, default as many as fit), on the CPU `data_parallel_size`
+        instances; written into a runtime copy of the served models' configs (their other
+        files linked). With neither setting the configs stand (on GPUs Triton then puts one
+        instance on each visible GPU)."""
+        environ = {**os.environ, **choice.env}
+        dp_text = self.data_parallel_size or environ.get(DATA_PARALLEL_ENV)
+        dp = int(dp_text) if dp_text else None
+        if dp is not None and dp < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got {dp}")
+        gpu = self.device.startswith("cuda")
+        rel = "config.pbtxt" if gpu else f"configs/{model_repo.CPU_CONFIG_NAME}.pbtxt"
+        tp_env = settings.BY_NAME["tensor_parallel_size"].env
+        placed: dict[str, list[int]] = {}
+        visible = None
+        for name in choice.names:
+            params = model_repo.read_parameters(choice.repository / name / "config.pbtxt")
+            tp = int(environ.get(tp_env) or params.get("tensor_parallel_size") or 1)
+            if gpu and (tp > 1 or dp is not None):
+                visible = visible_gpus() if visible is None else visible
+                placed[name] = model_repo.instance_gpus(visible, tp, dp)
+            elif not gpu and dp is not None:
+                placed[name] = [0] * dp  # dp CPU instances
+        if not placed:
+            return
+        runtime = choice.runtime_dir or Path(tempfile.mkdtemp(prefix="dlm-triton-repo-"))
+        for name in choice.names:
+            src, dst = choice.repository / name, runtime / name
+            if src.resolve() != dst.resolve():
+                dst.mkdir(parents=True, exist_ok=True)
+                for entry in src.iterdir():  # configs copied, the rest (checkpoints) linked
+                    if entry.name == "configs":
+                        shutil.copytree(entry, dst / entry.name)
+                    elif entry.name == "config.pbtxt":
+                        shutil.copyfile(entry, dst / entry.name)
+                    else:
+                        (dst / entry.name).symlink_to(entry.resolve())
+            if name in placed:
+                config = dst / rel
+                gpus, count = (placed[name], 1) if gpu else (None, len(placed[name]))
+                text = model_repo.place_instances(config.read_text(), name, gpus, count)
+                config.write_text(text)
+        choice.repository, choice.runtime_dir = runtime, runtime
+        self.placement = placed
 
     def _check_also(self, choice: ModelChoice) -> list[str]:
         """The ``also`` names, checked: models of ``choice``'s repository, no duplicates, and
@@ -365,6 +418,7 @@ class TritonServerProcess:
         """Start the server, wait until the model is ready, then start the proxy."""
         self.dist = self.dist or find_server()
         self.choice = self._choose_model()
+        self._place_instances(self.choice)
         try:  # a Hub id is downloaded here, with progress on this terminal
             self.choice.env.update(fetch_checkpoint(self.choice.repository, self.choice.name))
             self._spawn()
@@ -575,7 +629,8 @@ class TritonServerProcess:
         for path in shm:
             with suppress():
                 path.unlink()
-        return {"stubs_killed": len(leftover), "shm_removed": len(shm)}
+        boards = remove_boards(self.server.pid)  # the instances' load board, if several
+        return {"stubs_killed": len(leftover), "shm_removed": len(shm) + len(boards)}
 
     # ----------------------------------------------------------------- supervision
     def dead_reason(self) -> str | None:
@@ -681,4 +736,6 @@ class TritonServerProcess:
             **self.runtime(),
             **self.urls,
         }
+        if self.placement:  # per model: the first GPU of each instance (CPU: zeros)
+            info["instances"] = self.placement
         return json.dumps(info, indent=2)

@@ -117,6 +117,49 @@ def render_config(spec: ModelSpec, kind: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+_INSTANCE_GROUP = re.compile(r"^instance_group \[.*\]$", re.MULTILINE)
+
+
+def instance_gpus(
+    visible: int, tensor_parallel: int, data_parallel: int | None = None
+) -> list[int]:
+    """The first GPU of each instance: `data_parallel` groups (default: as many as fit) of
+    `tensor_parallel` consecutive GPUs, the group's engine on its first GPU (rank 0)."""
+    if tensor_parallel < 1 or visible < tensor_parallel:
+        raise ValueError(
+            f"tensor_parallel_size {tensor_parallel} needs {tensor_parallel} GPUs; "
+            f"{visible} visible"
+        )
+    fit = visible // tensor_parallel
+    groups = fit if data_parallel is None else data_parallel
+    if not 1 <= groups <= fit:
+        raise ValueError(
+            f"data_parallel_size {data_parallel} x tensor_parallel_size {tensor_parallel} "
+            f"needs {groups * tensor_parallel} GPUs; {visible} visible"
+        )
+    return [g * tensor_parallel for g in range(groups)]
+
+
+def place_instances(
+    config_text: str, model: str, gpus: list[int] | None = None, count: int = 1
+) -> str:
+    """`config_text` with one KIND_GPU instance on each GPU of `gpus` (Triton hands each its
+    GPU as its device; a tensor-parallel engine takes the next ones too), or, without `gpus`,
+    `count` KIND_CPU instances."""
+    if gpus is not None:
+        ids = ", ".join(str(g) for g in gpus)
+        line, kind = f"instance_group [ {{ count: 1, kind: KIND_GPU, gpus: [ {ids} ] }} ]", "GPU"
+    else:
+        line, kind = f"instance_group [ {{ count: {count}, kind: KIND_CPU }} ]", "CPU"
+    found = _INSTANCE_GROUP.findall(config_text)
+    if len(found) != 1 or f"KIND_{kind}" not in found[0] or found[0].count("{") != 1:
+        raise ValueError(
+            f"{model}: its config has an instance_group of its own; place the instances there "
+            "instead of with data_parallel_size / tensor_parallel_size"
+        )
+    return _INSTANCE_GROUP.sub(line, config_text)
+
+
 _PARAMETER = re.compile(r'parameters \{ key: "([^"]+)" value: \{ string_value: "([^"]*)" \} \}')
 
 

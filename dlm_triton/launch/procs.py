@@ -41,6 +41,22 @@ def has_gpu() -> bool:
     return Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi") is not None
 
 
+def visible_gpus() -> int:
+    """GPUs this process may use: CUDA_VISIBLE_DEVICES when set, else nvidia-smi's list."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        ids = [x.strip() for x in listed.split(",") if x.strip()]
+        return len(ids[: ids.index("-1")] if "-1" in ids else ids)  # -1 hides what follows
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return 0
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
 def proc_children(pid: int) -> list[int]:
     """Direct children of ``pid`` (from /proc; no psutil dependency)."""
     path = Path(f"/proc/{pid}/task/{pid}/children")
