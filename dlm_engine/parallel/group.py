@@ -4,12 +4,17 @@ stops answering turns into an error instead of a hang."""
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 LOCALHOST = "127.0.0.1"  # every rank runs on this host (one engine, one machine's devices)
+
+
+# How long a stop waits for the process group's teardown (see leave_group).
+LEAVE_TIMEOUT_S = 10.0
 
 
 def backend_for(device: torch.device) -> str:
@@ -58,7 +63,15 @@ def init_group(
     )
 
 
-def leave_group() -> None:
-    """Destroy the default group (a later engine in this process may make its own)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def leave_group(timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
+    """Destroy the default group (a later engine in this process may make its own); False if
+    that did not end within `timeout_s`. The workers are gone by now, and destroying an NCCL
+    communicator whose peers are gone can block forever (seen on a 2x H100 host after CUDA
+    graphs had captured its collectives), so the destroy runs on a daemon thread that a stop
+    does not wait for beyond the timeout."""
+    if not dist.is_initialized():
+        return True
+    done = threading.Thread(target=dist.destroy_process_group, name="dlm-leave-group", daemon=True)
+    done.start()
+    done.join(timeout_s)
+    return not done.is_alive()
