@@ -419,7 +419,7 @@ def test_grafana_dashboard_is_current_and_uses_real_metrics() -> None:
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
     used = set(re.findall(r"\b(dlm_[a-z_]+?)(?:_bucket|_sum|_count)?\b", exprs))
     sources = [
-        ROOT / "dlm_triton" / "metrics.py",
+        ROOT / "dlm_triton" / "backend" / "metrics.py",
         ROOT / "openai_proxy" / "metrics.py",
         ROOT / "openai_proxy" / "replicas.py",
     ]

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from dlm_triton.backend import metrics
-from dlm_triton.launch import cli
+from dlm_triton.launch import cli, model_repo
 from openai_proxy.config import ProxyConfig
 from openai_proxy.replicas import DNS_PREFIX
 
@@ -205,6 +205,30 @@ def test_triton_pods_have_probes_shm_gpu_and_a_safe_security_context(
         assert pod_sc.get("runAsNonRoot", c_sc.get("runAsNonRoot")) is True
         assert pod_sc.get("runAsUser", c_sc.get("runAsUser", 0)) != 0
         assert c_sc["allowPrivilegeEscalation"] is False and c_sc["capabilities"]["drop"] == ["ALL"]
+
+
+def test_gpu_request_is_tensor_times_data_parallel(objs: list[dict[str, Any]]) -> None:
+    """A pod reserves exactly the GPUs its replicas' ranks use: tensor x data parallel (the
+    launcher fills the pod with groups when data parallel is not set)."""
+    for _, c in triton_pods(objs):
+        env = env_of(objs, c)
+        gpus = int(c["resources"]["limits"]["nvidia.com/gpu"])
+        tp = int(env.get("DLM_TENSOR_PARALLEL_SIZE") or 1)
+        dp = env.get("DLM_DATA_PARALLEL_SIZE")
+        assert model_repo.instance_gpus(gpus, tp, int(dp) if dp else None)  # it fits
+        if dp:
+            assert gpus == tp * int(dp), (gpus, tp, dp)
+        else:
+            assert gpus % tp == 0, (gpus, tp)
+
+
+def test_parallel_overlay_places_two_tp2_replicas() -> None:
+    objs = render("overlays/llada2-tp2x2")
+    ((_, c),) = triton_pods(objs)
+    env = env_of(objs, c)
+    assert env["DLM_EXPERT_PARALLEL"] == "true"
+    tp, dp = int(env["DLM_TENSOR_PARALLEL_SIZE"]), int(env["DLM_DATA_PARALLEL_SIZE"])
+    assert model_repo.instance_gpus(4, tp, dp) == [0, 2]
 
 
 def test_triton_args_are_launcher_flags(objs: list[dict[str, Any]]) -> None:
