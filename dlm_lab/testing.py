@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from dlm_engine.models import DREAM, LLADA, LLADA2, SDAR, Family, build_model
+from dlm_engine.models import DREAM, LLADA, LLADA2, SDAR, SDAR_MOE, Family, build_model
 from dlm_engine.tokenizer_build import build_char_tokenizer, vocab_size_for
 
 # max_tokens of tiny checkpoints' requests that name none (their generation_config.json)
@@ -44,6 +44,11 @@ AUTO_MAPS: dict[str, dict[str, Any]] = {
         "AutoConfig": "configuration_sdar.SDARConfig",
         "AutoModel": "modeling_sdar.SDARModel",
         "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM",
+    },
+    "sdar_moe": {  # JetLM/SDAR-30B-A3B-Chat
+        "AutoConfig": "configuration_sdar_moe.SDARMoeConfig",
+        "AutoModel": "modeling_sdar_moe.SDARMoeModel",
+        "AutoModelForCausalLM": "modeling_sdar_moe.SDARMoeForCausalLM",
     },
     "llada2": {  # inclusionAI/LLaDA2.0-mini
         "AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
@@ -161,6 +166,27 @@ def sdar_config(vocab: int, ids: dict[str, int], **arch: Any) -> dict[str, Any]:
     }
 
 
+def sdar_moe_config(vocab: int, ids: dict[str, int], **arch: Any) -> dict[str, Any]:
+    """An SDAR-MoE `config.json`: SDAR's keys plus Qwen3-MoE's (SDAR-30B-A3B-Chat: 128
+    experts, 8 a token, renormalised), scaled down to 8 experts, 2 a token; `mlp_only_layers`
+    can make a layer dense."""
+    cfg = sdar_config(vocab, ids, **arch)
+    cfg.update(
+        architectures=["SDARMoeForCausalLM"],
+        auto_map=AUTO_MAPS["sdar_moe"],
+        model_type="sdar_moe",
+        decoder_sparse_step=arch.get("decoder_sparse_step", 1),
+        mlp_only_layers=list(arch.get("mlp_only_layers", [])),
+        moe_intermediate_size=arch.get("moe_intermediate_size", 32),
+        norm_topk_prob=arch.get("norm_topk_prob", True),
+        num_experts=arch.get("num_experts", 8),
+        num_experts_per_tok=arch.get("num_experts_per_tok", 2),
+        output_router_logits=False,
+        router_aux_loss_coef=0.001,
+    )
+    return cfg
+
+
 def llada2_config(vocab: int, ids: dict[str, int], **arch: Any) -> dict[str, Any]:
     """A LLaDA2 `config.json` with the published (`LLaDA2MoeConfig`) keys, scaled down: 8
     experts in 4 groups, 2 per token from the 2 best groups, one dense layer first."""
@@ -209,11 +235,18 @@ def llada2_config(vocab: int, ids: dict[str, int], **arch: Any) -> dict[str, Any
     }
 
 
-FAMILIES: dict[str, Family] = {"llada": LLADA, "dream": DREAM, "sdar": SDAR, "llada2": LLADA2}
+FAMILIES: dict[str, Family] = {
+    "llada": LLADA,
+    "dream": DREAM,
+    "sdar": SDAR,
+    "sdar_moe": SDAR_MOE,
+    "llada2": LLADA2,
+}
 _CONFIGS = {
     "llada": llada_config,
     "dream": dream_config,
     "sdar": sdar_config,
+    "sdar_moe": sdar_moe_config,
     "llada2": llada2_config,
 }
 _QK_NORMS = ("q_norm.weight", "k_norm.weight", "query_layernorm.weight", "key_layernorm.weight")
@@ -238,7 +271,7 @@ def _generation_config(fam: Family, cfg: dict[str, Any], ids: dict[str, int]) ->
     }
     if fam is DREAM:
         gen["mask_token_id"] = cfg["mask_token_id"]
-    if fam is SDAR:  # as published: end of turn first, then end of text
+    if fam in (SDAR, SDAR_MOE):  # as published: end of turn first, then end of text
         gen["eos_token_id"] = [ids["<|im_end|>"], eos]
     # what the tests' requests without max_tokens were written for (the families publish
     # longer answers: decoding/checkpoint_defaults.py)

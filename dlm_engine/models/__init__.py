@@ -9,18 +9,19 @@ from typing import Any
 
 from torch import nn
 
-from . import diffusion_gemma, dream, llada, llada2, sdar
+from . import diffusion_gemma, dream, llada, llada2, sdar, sdar_moe
 from .family import D3LLMLoop, Family
 
 LLADA = llada.FAMILY
 DREAM = dream.FAMILY
 SDAR = sdar.FAMILY
+SDAR_MOE = sdar_moe.FAMILY
 LLADA2 = llada2.FAMILY
 DIFFUSION_GEMMA = diffusion_gemma.FAMILY
 
 # detection order: the first family whose `detect` accepts a config is its family (LLaDA2
 # before LLaDA: "llada2moemodellm" also starts with "llada")
-FAMILIES: tuple[Family, ...] = (DIFFUSION_GEMMA, SDAR, LLADA2, LLADA, DREAM)
+FAMILIES: tuple[Family, ...] = (DIFFUSION_GEMMA, SDAR_MOE, SDAR, LLADA2, LLADA, DREAM)
 
 
 def detect_family(config: dict[str, Any]) -> Family:
@@ -57,6 +58,7 @@ __all__ = [
     "LLADA",
     "LLADA2",
     "SDAR",
+    "SDAR_MOE",
     "D3LLMLoop",
     "Family",
     "build_model",

@@ -117,6 +117,21 @@ LLADA2_RULES = FamilyRules(
     expert_list=r"\.mlp\.experts$",
     expert_tensor=r"\.mlp\.experts\.(\d+)\.",
 )
+# SDAR-MoE (Qwen3-MoE layout): attention as Qwen's; every MLP (dense layers, each routed
+# expert) split by its intermediate size and summed once a layer, as LLaDA2's; router
+# replicated
+SDAR_MOE_RULES = FamilyRules(
+    (
+        *QWEN_RULES.tensors[:1],
+        (r"\.mlp\.(experts\.\d+\.)?(gate_proj|up_proj)\.weight$", COLUMN),
+        (r"\.self_attn\.o_proj\.(weight|bias)$", ROW),
+        (r"\.mlp\.(experts\.\d+\.)?down_proj\.weight$", PARTIAL),
+        (r"^lm_head\.weight$", VOCAB),
+    ),
+    summed=(r"\.layers\.\d+\.mlp$",),
+    expert_list=r"\.mlp\.experts$",
+    expert_tensor=r"\.mlp\.experts\.(\d+)\.",
+)
 # DiffusionGemma (`model.decoder.layers.N.experts.{gate_up_proj,down_proj}`, [E, ...]): only
 # its experts are spread (expert parallel); attention, dense MLPs and router are replicated
 GEMMA_RULES = FamilyRules(
@@ -130,6 +145,7 @@ RULES: dict[str, FamilyRules] = {
     "llada": LLADA_RULES,
     "dream": QWEN_RULES,
     "sdar": QWEN_RULES,
+    "sdar_moe": SDAR_MOE_RULES,
     "llada2": LLADA2_RULES,
     "diffusion_gemma": GEMMA_RULES,
 }

@@ -62,6 +62,7 @@ def test_each_family_is_registered_once_and_detects_its_own_config() -> None:
         "llada": {"model_type": "llada"},
         "dream": {"architectures": ["DreamModel"]},
         "sdar": {"architectures": ["SDARForCausalLM"]},
+        "sdar_moe": {"architectures": ["SDARMoeForCausalLM"]},  # not SDAR's dense layout
         "llada2": {"architectures": ["LLaDA2MoeModelLM"]},  # not LLaDA's, though it starts so
         "diffusion_gemma": {"model_type": "diffusion_gemma"},
     }
