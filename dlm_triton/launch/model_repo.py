@@ -73,8 +73,26 @@ MODELS = [
     # block diffusion: exact KV cache of finished blocks, steps counted per block
     ModelSpec("llada2-mini", "inclusionAI/LLaDA2.0-mini", dtype="bfloat16"),
     ModelSpec("llada2.1-mini", "inclusionAI/LLaDA2.1-mini", dtype="bfloat16"),
+    # LLaDA2 flash: the mini's layout at ~100B parameters (206 GB bf16): 4 GPUs, experts
+    # spread whole over them
+    ModelSpec(
+        "llada2-flash",
+        "inclusionAI/LLaDA2.0-flash",
+        dtype="bfloat16",
+        tensor_parallel_size=4,
+        expert_parallel=True,
+    ),
+    ModelSpec(
+        "llada2.1-flash",
+        "inclusionAI/LLaDA2.1-flash",
+        dtype="bfloat16",
+        tensor_parallel_size=4,
+        expert_parallel=True,
+    ),
     ModelSpec("sdar-4b-chat", "JetLM/SDAR-4B-Chat", dtype="bfloat16", max_rows=64),
     ModelSpec("sdar-8b-chat", "JetLM/SDAR-8B-Chat", dtype="bfloat16", max_rows=64),
+    # SDAR-30B-A3B: SDAR's blocks on Qwen3-MoE (61 GB bf16: one 80 GB GPU)
+    ModelSpec("sdar-30b-a3b-chat", "JetLM/SDAR-30B-A3B-Chat", dtype="bfloat16", max_rows=32),
     # DiffusionGemma: uniform-state diffusion over 256-token canvases (text only)
     ModelSpec(
         "diffusiongemma-26b-a4b-it",

@@ -31,6 +31,9 @@ HUB_ARCHITECTURES = {
     "inclusionAI/LLaDA2.1-mini": "llada2-mini",  # the 2.0-mini layout
     "JetLM/SDAR-4B-Chat": "sdar-4b",
     "JetLM/SDAR-8B-Chat": "sdar-8b",
+    "JetLM/SDAR-30B-A3B-Chat": "sdar-30b-a3b",
+    "inclusionAI/LLaDA2.0-flash": "llada2-flash",
+    "inclusionAI/LLaDA2.1-flash": "llada2-flash",  # the 2.0-flash layout
     "google/diffusiongemma-26B-A4B-it": "diffusiongemma-26b-a4b",
 }
 
@@ -38,6 +41,7 @@ FAMILY_LABELS = {
     "llada": "LLaDA",
     "dream": "Dream",
     "sdar": "SDAR",
+    "sdar_moe": "SDAR (MoE)",
     "llada2": "LLaDA2 (MoE)",
     "diffusion_gemma": "DiffusionGemma (MoE, text)",
 }
