@@ -85,6 +85,13 @@ class ToolFormat:
     # (a delimiter or separator of the format), preferred when a call must end
     closing_ids: tuple[int, ...] = ()
 
+    def clean(self, content: str) -> str:
+        """Content as shown: the markup the text keeps for the parser, where the model wrote
+        it outside a call, is not content (decoding would have skipped it)."""
+        for text in self.kept.values():
+            content = content.replace(text, "")
+        return content
+
     def grammar(self, spec: ToolSpec) -> str:
         """The Lark grammar (llguidance) of the answers `required` / a named function allow."""
         raise NotImplementedError

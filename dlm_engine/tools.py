@@ -521,13 +521,13 @@ class ToolCallText:
         """(new content, the calls on the final update or None). `cut`: the text ended at
         `max_tokens`."""
         calls = None
+        fmt = self.spec.format
         if finished:
             self.answer = parse_tool_calls(text, self.spec, cut)
-            visible, calls = self.answer.content, self.answer.calls or None
+            visible, calls = fmt.clean(self.answer.content), self.answer.calls or None
         else:
-            opening = self.spec.format.open
-            cut_at = text.find(opening)
-            visible = without_open_tail(text if cut_at < 0 else text[:cut_at], opening)
+            cut_at = text.find(fmt.open)
+            visible = fmt.clean(without_open_tail(text if cut_at < 0 else text[:cut_at], fmt.open))
         if not visible.startswith(self.sent):
             return "", calls
         delta, self.sent = visible[len(self.sent) :], visible

@@ -325,6 +325,12 @@ def test_streamed_content_stops_before_the_markup() -> None:
         assert "<" not in stream.sent
     stream = ToolCallText(ToolSpec(tuple(TOOLS), "auto"))  # Hermes holds back its own tag
     assert stream.update("Hi <tool_c", False)[0] == "Hi "
+    # markup kept for the parser (special tokens) written outside a call is not content
+    kept = ToolSpec(tuple(TOOLS), "auto", format=Gemma4Format({Q: 13, "<tool_call|>": 10}))
+    stream = ToolCallText(kept)
+    assert stream.update(f"A{Q}B<tool_call|>C", False)[0] == "ABC"
+    assert stream.update(f"A{Q}B<tool_call|>CD{Q}", True)[0] == "D"
+    assert stream.sent == "ABCD"
 
 
 def test_auto_answers_stream_no_markup(engine: Engine) -> None:
