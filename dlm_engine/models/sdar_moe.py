@@ -72,6 +72,16 @@ class SDARMoeExpert(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
 
+class SDARMoeRouter(nn.Module):
+    """The router `mlp.gate.weight` [E, hidden]. Not an `nn.Linear`, so weight quantization
+    (FP8, bitsandbytes) leaves it in the checkpoint's dtype, as published FP8 Qwen3-MoE
+    checkpoints keep their gates, and routing stays that of the bf16 model."""
+
+    def __init__(self, a: SDARMoeArch) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(a.num_experts, a.hidden_size))
+
+
 class SDARMoeSparseMoe(nn.Module):
     """Routed experts without a shared expert. After `fuse()` they live only as stacked
     `w_gate_up` [E, hidden, 2 * moe_intermediate] and `w_down` [E, moe_intermediate, hidden]."""
@@ -79,7 +89,7 @@ class SDARMoeSparseMoe(nn.Module):
     def __init__(self, a: SDARMoeArch) -> None:
         super().__init__()
         self.a = a
-        self.gate = nn.Linear(a.hidden_size, a.num_experts, bias=False)
+        self.gate = SDARMoeRouter(a)
         self.experts = nn.ModuleList(
             SDARMoeExpert(a.hidden_size, a.moe_intermediate_size) for _ in range(a.num_experts)
         )

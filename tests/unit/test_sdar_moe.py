@@ -173,3 +173,17 @@ def test_two_ranks_equal_one_device(ckpt: str, expert_parallel: bool, one_thread
     finally:
         model.close()
     assert all(p.poll() is not None for p in model.workers.procs)  # every worker reaped
+
+
+def test_fp8_keeps_the_router_and_equals_the_reference(ckpt: str) -> None:
+    """FP8 (dequantized on CPU) quantizes the stacked experts and the dense layers, never the
+    router, and the engine still equals the loop on its own (quantized) model."""
+    from dlm_engine.fp8 import Fp8Experts
+
+    engine = Engine(EngineConfig(model=ckpt, device="cpu", quantization="fp8"))
+    moe = engine.loaded.model.model.layers[1].mlp
+    assert isinstance(moe.w_gate_up, Fp8Experts) and moe.gate.weight.dtype == torch.float32
+    prompt = engine.encode_prompt(text=PROMPTS[2])
+    for case in CASES[:2]:
+        ref = testing.block_reference(engine, prompt, case)
+        assert engine.generate([prompt], case)[0].token_ids == ref
