@@ -38,9 +38,10 @@ class RowPages:
 class BlockPages:
     """Every block row's page table over one pool (and its prefix cache, if on)."""
 
-    def __init__(self, pool: PagePool, cache: PrefixCache | None) -> None:
+    def __init__(self, pool: PagePool, cache: PrefixCache | None, shift: int = 0) -> None:
         self.pool = pool
         self.cache = cache
+        self.shift = shift  # shifted logits (Fast-dLLM v2): the query starts a token earlier
         self.rows: dict[str, RowPages] = {}
 
     def worst_case(self, seq: Sequence) -> int:
@@ -49,10 +50,11 @@ class BlockPages:
 
     def _indexable(self, seq: Sequence) -> tuple[int, int]:
         """(pages, unit): the prompt's whole pages made of whole prompt blocks, and the
-        pages in lcm(page, block) tokens (a match is cut to a multiple of it)."""
+        pages in lcm(page, block) tokens (a match is cut to a multiple of it). With shifted
+        logits the position before the first decoded one is read, so it is never cached."""
         pt, block = self.pool.page_tokens, seq.layout.block
         span = math.lcm(pt, block)
-        tokens = seq.layout.first_block * block // span * span
+        tokens = min(seq.layout.first_block * block, seq.prompt_len - self.shift) // span * span
         return tokens // pt, span // pt
 
     def admit(self, seq: Sequence) -> bool:

@@ -115,7 +115,11 @@ class Engine:
         )
         # a block-diffusion model's trained block (SDAR config `block_size`); 0 = not
         self.model_block = (
-            int(lm.config.get("block_size") or lm.family.default_block_length)
+            int(
+                lm.config.get("block_size")
+                or lm.config.get("bd_size")  # Fast-dLLM v2's name for it
+                or lm.family.default_block_length
+            )
             if getattr(lm.family, "block_diffusion", False)
             else 0
         )

@@ -326,7 +326,7 @@ class ModelRunner:
         idle = prefix_cache_tokens // pt
         pool = PagePool(n_layers, n, pt, kv, head_dim, dtype, self.device, idle_limit=idle)
         cache = PrefixCache(pool) if prefix_cache_tokens > 0 else None
-        self.block_pages = BlockPages(pool, cache)
+        self.block_pages = BlockPages(pool, cache, self.shift)
         log.info(
             "block-diffusion KV pages: %d of %d tokens (%.2f GiB), prefix cache %s",
             n,

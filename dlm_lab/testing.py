@@ -15,7 +15,16 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from dlm_engine.models import DREAM, LLADA, LLADA2, SDAR, SDAR_MOE, Family, build_model
+from dlm_engine.models import (
+    DREAM,
+    FAST_DLLM_V2,
+    LLADA,
+    LLADA2,
+    SDAR,
+    SDAR_MOE,
+    Family,
+    build_model,
+)
 from dlm_engine.tokenizer_build import build_char_tokenizer, vocab_size_for
 
 # max_tokens of tiny checkpoints' requests that name none (their generation_config.json)
@@ -49,6 +58,10 @@ AUTO_MAPS: dict[str, dict[str, Any]] = {
         "AutoConfig": "configuration_sdar_moe.SDARMoeConfig",
         "AutoModel": "modeling_sdar_moe.SDARMoeModel",
         "AutoModelForCausalLM": "modeling_sdar_moe.SDARMoeForCausalLM",
+    },
+    "fast_dllm_v2": {  # Efficient-Large-Model/Fast_dLLM_v2_7B
+        "AutoConfig": "configuration.Fast_dLLM_QwenConfig",
+        "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM",
     },
     "llada2": {  # inclusionAI/LLaDA2.0-mini
         "AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
@@ -127,6 +140,26 @@ def dream_config(vocab: int, ids: dict[str, int], **arch: Any) -> dict[str, Any]
         "use_cache": False,
         "vocab_size": vocab,
     }
+
+
+def fast_dllm_v2_config(vocab: int, ids: dict[str, int], **arch: Any) -> dict[str, Any]:
+    """A Fast-dLLM v2 `config.json`: Qwen2.5's keys plus `bd_size` (Fast_dLLM_v2_7B's)."""
+    # published configs name no mask token: generate() hard-codes 151665
+    cfg = dream_config(vocab, {**ids, "<|mask|>": ids["|<MASK>|"]}, **arch)
+    del cfg["mask_token_id"]
+    cfg.update(
+        architectures=["Fast_dLLM_QwenForCausalLM"],
+        auto_map=AUTO_MAPS["fast_dllm_v2"],
+        model_type="Fast_dLLM_Qwen",
+        bd_size=arch.get("bd_size", 32),
+        eos_token_id=ids["<|im_end|>"],
+        max_window_layers=cfg["num_hidden_layers"],
+        rope_scaling=None,
+        sliding_window=4096,
+        use_sliding_window=False,
+        use_cache=True,
+    )
+    return cfg
 
 
 def sdar_config(vocab: int, ids: dict[str, int], **arch: Any) -> dict[str, Any]:
@@ -241,6 +274,7 @@ FAMILIES: dict[str, Family] = {
     "sdar": SDAR,
     "sdar_moe": SDAR_MOE,
     "llada2": LLADA2,
+    "fast_dllm_v2": FAST_DLLM_V2,
 }
 _CONFIGS = {
     "llada": llada_config,
@@ -248,6 +282,7 @@ _CONFIGS = {
     "sdar": sdar_config,
     "sdar_moe": sdar_moe_config,
     "llada2": llada2_config,
+    "fast_dllm_v2": fast_dllm_v2_config,
 }
 _QK_NORMS = ("q_norm.weight", "k_norm.weight", "query_layernorm.weight", "key_layernorm.weight")
 
@@ -271,7 +306,7 @@ def _generation_config(fam: Family, cfg: dict[str, Any], ids: dict[str, int]) ->
     }
     if fam is DREAM:
         gen["mask_token_id"] = cfg["mask_token_id"]
-    if fam in (SDAR, SDAR_MOE):  # as published: end of turn first, then end of text
+    if fam in (SDAR, SDAR_MOE, FAST_DLLM_V2):  # as published: end of turn first, then end of text
         gen["eos_token_id"] = [ids["<|im_end|>"], eos]
     # what the tests' requests without max_tokens were written for (the families publish
     # longer answers: decoding/checkpoint_defaults.py)
@@ -454,6 +489,21 @@ def block_reference_run(engine: Any, prompt: list[int], params: dict[str, Any]) 
             edit_threshold=r.edit_threshold,
             max_post_edit_steps=r.max_post_edit_steps,
             temperature=0.0,
+        )
+    if engine.loaded.family is FAST_DLLM_V2:
+        from .reference_fast_dllm_v2 import fast_dllm_v2_generate
+
+        # upstream decodes max_new_tokens // block_size blocks, each one token further (the
+        # next block's first): enough blocks to cover max_tokens
+        return fast_dllm_v2_generate(
+            model,
+            prompt,
+            mask_id=mask_id,
+            stop_token=engine.loaded.tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            max_new_tokens=(r.max_tokens + 2 * r.block_length) // r.block_length * r.block_length,
+            block_size=r.block_length,
+            small_block_size=engine.loaded.family.sub_block_length,
+            threshold=r.threshold,
         )
     if engine.loaded.family is LLADA2:
         return ref.llada2_generate(

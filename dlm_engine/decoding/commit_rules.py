@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..staging import to_device
+from .sub_blocks import commit_span
 
 # the vectorised rules; each decoding strategy names its own (decoding/strategies/)
 RANK, THRESHOLD, FACTOR, ENTROPY, LEAP, SEQUENTIAL, DYNAMIC, BOUNDED, JOINT, MULTI_BD = range(10)
@@ -54,6 +55,8 @@ class RowRule:
     edit: float = float("nan")  # joint_threshold: edit_threshold (NaN: no editing)
     # multi_bd: (block length, window offset in its first block, forced flag per block)
     blocks: tuple[int, int, tuple[bool, ...]] | None = None
+    # window-relative [lo, hi) the row may commit in (sub-block families; None: anywhere)
+    span: tuple[int, int] | None = None
 
 
 def _idx(rows: list[RowRule], pred, device: torch.device) -> torch.Tensor | None:
@@ -95,6 +98,11 @@ class CommitPlan:
             self.mbd_off = to_device([o for _, o, _ in specs], device)
             forced = [list(f) + [False] * (n - len(f)) for _, _, f in specs]
             self.mbd_forced = to_device(forced, device, torch.bool)
+        self.span = None
+        if any(r.span is not None for r in rows):
+            spans = [r.span or (0, 1 << 30) for r in rows]
+            self.span = (to_device([a for a, _ in spans], device),
+                         to_device([b for _, b in spans], device))  # fmt: skip
         self.forced = _idx(rows, lambda r: r.forced is not None, device)
         if self.forced is not None:
             spans = [r.forced for r in rows if r.forced is not None]
@@ -104,7 +112,9 @@ class CommitPlan:
     @property
     def simple(self) -> bool:
         """Only rank / threshold rows: the original selection applies unchanged."""
-        return all(r.code in (RANK, THRESHOLD) and r.forced is None for r in self.rows)
+        return all(
+            r.code in (RANK, THRESHOLD) and r.forced is None and r.span is None for r in self.rows
+        )
 
     # ---- scores that need the unmodified logits (before `propose` edits them in place) ----
     def scores(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -143,6 +153,9 @@ class CommitPlan:
         """Bool [B, W]: the positions each row commits."""
         b, w = conf.shape
         dev = conf.device
+        if self.span is not None:  # sub-block rows: only their current sub-block
+            pos = torch.arange(w, device=dev)[None, :]
+            selectable = selectable & (pos >= self.span[0][:, None]) & (pos < self.span[1][:, None])
         score = conf.to(torch.float64)
         if "entropy" in extra and self.ent_rows:
             is_ent = (self.code == ENTROPY)[:, None]
@@ -298,10 +311,25 @@ def row_rule(seq) -> RowRule:
         if span is not None:
             lo = seq.window_start - seq.prompt_len
             forced = (span[0] - lo, span[1] - lo)
+    span = None
+    k = seq.transfer_count() if code in _SCHEDULED else 0
+    if code == DYNAMIC and seq.family.sub_block_length and seq.layout is not None:
+        # Fast-dLLM v2: every mask of the sub-block above tau, else its most confident one
+        size = seq.layout.block
+        span = commit_span(
+            seq.canvas,
+            prompt_len=seq.prompt_len,
+            block_start=seq.block * size,
+            window_start=seq.window_start,
+            block=size,
+            sub=seq.family.sub_block_length,
+            mask_id=seq.mask_id,
+        )
+        k = 1
     loop = seq.family.d3llm_loop
     return RowRule(
         code=code,
-        k=seq.transfer_count() if code in _SCHEDULED else 0,
+        k=k,
         threshold=p.threshold if p.threshold is not None else float("nan"),
         factor=a.factor,
         anchor=a.anchor_threshold,
@@ -313,4 +341,5 @@ def row_rule(seq) -> RowRule:
         forced=forced,
         edit=p.edit_threshold if code == JOINT else float("nan"),
         blocks=blocks,
+        span=span,
     )

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from . import diffusion_gemma, dream, llada, llada2, sdar, sdar_moe
+from . import diffusion_gemma, dream, fast_dllm_v2, llada, llada2, sdar, sdar_moe
 from .family import D3LLMLoop, Family
 
 LLADA = llada.FAMILY
@@ -18,10 +18,19 @@ SDAR = sdar.FAMILY
 SDAR_MOE = sdar_moe.FAMILY
 LLADA2 = llada2.FAMILY
 DIFFUSION_GEMMA = diffusion_gemma.FAMILY
+FAST_DLLM_V2 = fast_dllm_v2.FAMILY
 
 # detection order: the first family whose `detect` accepts a config is its family (LLaDA2
 # before LLaDA: "llada2moemodellm" also starts with "llada")
-FAMILIES: tuple[Family, ...] = (DIFFUSION_GEMMA, SDAR_MOE, SDAR, LLADA2, LLADA, DREAM)
+FAMILIES: tuple[Family, ...] = (
+    DIFFUSION_GEMMA,
+    SDAR_MOE,
+    SDAR,
+    LLADA2,
+    FAST_DLLM_V2,
+    LLADA,
+    DREAM,
+)
 
 
 def detect_family(config: dict[str, Any]) -> Family:
@@ -55,6 +64,7 @@ __all__ = [
     "DIFFUSION_GEMMA",
     "DREAM",
     "FAMILIES",
+    "FAST_DLLM_V2",
     "LLADA",
     "LLADA2",
     "SDAR",

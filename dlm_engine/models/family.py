@@ -67,6 +67,9 @@ class Family:
     # algorithm -> its threshold default where the family publishes its own
     default_thresholds: Mapping[str, float] = field(default_factory=_frozen)
     steps_capped_by_length: bool = False  # block rows: steps = min(steps, max_tokens)
+    # block rows commit inside one sub-block of this many tokens at a time, one token a step at
+    # least, and a block's first position alone when masked (Fast-dLLM v2; 0: anywhere)
+    sub_block_length: int = 0
     gumbel_proposals: bool = False  # LLaDA's Gumbel-max proposals (else softmax sampling)
     linear_schedule: bool = True  # LLaDA's per-block linear step schedule (else Dream's)
     d3llm_loop: D3LLMLoop = D3LLMLoop()

@@ -65,6 +65,7 @@ def test_each_family_is_registered_once_and_detects_its_own_config() -> None:
         "sdar_moe": {"architectures": ["SDARMoeForCausalLM"]},  # not SDAR's dense layout
         "llada2": {"architectures": ["LLaDA2MoeModelLM"]},  # not LLaDA's, though it starts so
         "diffusion_gemma": {"model_type": "diffusion_gemma"},
+        "fast_dllm_v2": {"architectures": ["Fast_dLLM_QwenForCausalLM"]},  # Qwen2, not Dream
     }
     assert set(configs) == NAMES
     for name, config in configs.items():
