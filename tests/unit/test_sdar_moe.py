@@ -187,3 +187,49 @@ def test_fp8_keeps_the_router_and_equals_the_reference(ckpt: str) -> None:
     for case in CASES[:2]:
         ref = testing.block_reference(engine, prompt, case)
         assert engine.generate([prompt], case)[0].token_ids == ref
+
+
+def test_logits_equal_transformers_qwen3_moe_with_block_causal_mask(ckpt: str) -> None:
+    """The whole model, read from the tiny checkpoint, against transformers' own
+    Qwen3MoeForCausalLM given the same weights (its experts stacked as it stores them) and
+    SDAR's block-causal mask: the published forward, dense layer and routed layers alike."""
+    from safetensors.torch import load_file
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
+
+    from dlm_engine.loader import load_checkpoint
+    from dlm_engine.models.common import ForwardBatch
+
+    cfg = json.loads((Path(ckpt) / "config.json").read_text())
+    hf_keys = {k: v for k, v in cfg.items() if k not in ("architectures", "auto_map", "model_type")}
+    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_keys)).eval()
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(ckpt).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    for layer in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{layer}.mlp.experts."
+        if f"{pre}0.gate_proj.weight" not in state:
+            continue
+        n = cfg["num_experts"]
+        parts = [
+            [state.pop(f"{pre}{e}.{p}_proj.weight") for e in range(n)]
+            for p in ("gate", "up", "down")
+        ]
+        state[f"{pre}gate_up_proj"] = torch.stack(
+            [torch.cat((g, u)) for g, u in zip(parts[0], parts[1], strict=True)]
+        )
+        state[f"{pre}down_proj"] = torch.stack(parts[2])
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert missing == [] and unexpected == []
+    ours = load_checkpoint(Path(ckpt)).model
+
+    b, t, block = 2, 13, 4  # the last block is partial
+    ids = torch.randint(0, cfg["vocab_size"], (b, t), generator=torch.Generator().manual_seed(0))
+    blk = torch.arange(t) // block
+    mask = (blk[None, :] <= blk[:, None])[None].expand(b, t, t)
+    pos = torch.arange(t)[None].expand(b, t)
+    additive = torch.zeros(b, 1, t, t).masked_fill(~mask[:, None], torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=additive, position_ids=pos).logits
+        got = ours(ForwardBatch(ids, pos, mask, None))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
