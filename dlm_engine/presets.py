@@ -87,6 +87,25 @@ PRESETS: dict[str, dict[str, Any]] = {
         "eos_token_id": 151643,
         "torch_dtype": "bfloat16",
     },
+    # Efficient-Large-Model/Fast_dLLM_v2_7B config.json (Qwen2.5-7B-Instruct's shape, q/k/v biases,
+    # blocks of `bd_size`; its mask id 151665 is hard-coded in generate(), not in the config)
+    "fast-dllm-v2-7b": {
+        "model_type": "Fast_dLLM_Qwen",
+        "architectures": ["Fast_dLLM_QwenForCausalLM"],
+        "hidden_size": 3584,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "intermediate_size": 18944,
+        "vocab_size": 152064,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "bd_size": 32,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },
     # inclusionAI/LLaDA2.0-mini (LLaDA2MoeConfig keys): 256 experts, 8 per token + 1 shared
     "llada2-mini": {
         "model_type": "llada2_moe",

@@ -93,6 +93,10 @@ MODELS = [
     ModelSpec("sdar-8b-chat", "JetLM/SDAR-8B-Chat", dtype="bfloat16", max_rows=64),
     # SDAR-30B-A3B: SDAR's blocks on Qwen3-MoE (61 GB bf16: one 80 GB GPU)
     ModelSpec("sdar-30b-a3b-chat", "JetLM/SDAR-30B-A3B-Chat", dtype="bfloat16", max_rows=32),
+    # Fast-dLLM v2: Qwen2.5-7B as block diffusion (blocks of 32, sub-blocks of 8)
+    ModelSpec(
+        "fast-dllm-v2-7b", "Efficient-Large-Model/Fast_dLLM_v2_7B", dtype="bfloat16", max_rows=64
+    ),
     # DiffusionGemma: uniform-state diffusion over 256-token canvases (text only)
     ModelSpec(
         "diffusiongemma-26b-a4b-it",

@@ -31,6 +31,7 @@ HUB_ARCHITECTURES = {
     "inclusionAI/LLaDA2.1-mini": "llada2-mini",  # the 2.0-mini layout
     "JetLM/SDAR-4B-Chat": "sdar-4b",
     "JetLM/SDAR-8B-Chat": "sdar-8b",
+    "Efficient-Large-Model/Fast_dLLM_v2_7B": "fast-dllm-v2-7b",
     "JetLM/SDAR-30B-A3B-Chat": "sdar-30b-a3b",
     "inclusionAI/LLaDA2.0-flash": "llada2-flash",
     "inclusionAI/LLaDA2.1-flash": "llada2-flash",  # the 2.0-flash layout
@@ -44,6 +45,7 @@ FAMILY_LABELS = {
     "sdar_moe": "SDAR (MoE)",
     "llada2": "LLaDA2 (MoE)",
     "diffusion_gemma": "DiffusionGemma (MoE, text)",
+    "fast_dllm_v2": "Fast-dLLM v2",
 }
 
 # bitsandbytes storage per weight of a replaced linear layer, in bytes: LLM.int8 keeps one
