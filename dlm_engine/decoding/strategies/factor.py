@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import InvalidRequestError
 from ...models import Family
 from ..commit_rules import FACTOR
 from .base import ConfidenceRule
@@ -27,10 +26,6 @@ class Factor(ConfidenceRule):
 
     def family_refusal(self, family: Family) -> str:
         return "factor is published for LLaDA (Fast-dLLM) only"
-
-    def check(self, p, *, family: Family, steps: int, block: int) -> None:
-        if p.factor is not None and not 0.0 < p.factor <= 100.0:
-            raise InvalidRequestError("factor", "must be in (0, 100]")
 
     def resolved_fields(self, p) -> dict[str, Any]:
         return {"factor": DEFAULT_FACTOR if p.factor is None else p.factor}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import InvalidRequestError
 from ...models import Family
 from ..commit_rules import LEAP
 from .base import ConfidenceRule
@@ -14,12 +13,6 @@ from .base import ConfidenceRule
 DEFAULT_ANCHOR_THRESHOLD = 0.9  # dlmserve SamplingParams: kappa
 DEFAULT_NEIGHBOR_THRESHOLD = 0.75  # dlmserve SamplingParams: tau
 DEFAULT_LEAP_RADIUS = 4  # dlmserve SamplingParams: W
-MAX_LEAP_RADIUS = 16  # dlmserve's request range [1, 16]
-
-
-def _unit(name: str, value: float | None) -> None:
-    if value is not None and not 0.0 <= value <= 1.0:
-        raise InvalidRequestError(name, "must be in [0, 1]")
 
 
 class LocalLeap(ConfidenceRule):
@@ -36,12 +29,6 @@ class LocalLeap(ConfidenceRule):
 
     def family_refusal(self, family: Family) -> str:
         return "local_leap is published for LLaDA (dlmserve) only"
-
-    def check(self, p, *, family: Family, steps: int, block: int) -> None:
-        _unit("anchor_threshold", p.anchor_threshold)
-        _unit("neighbor_threshold", p.neighbor_threshold)
-        if p.leap_radius is not None and not 1 <= p.leap_radius <= MAX_LEAP_RADIUS:
-            raise InvalidRequestError("leap_radius", f"must be in [1, {MAX_LEAP_RADIUS}]")
 
     def resolved_fields(self, p) -> dict[str, Any]:
         def pick(value, default):

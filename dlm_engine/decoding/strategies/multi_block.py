@@ -45,14 +45,6 @@ def resolve_cache(p) -> str:
     return p.cache
 
 
-def _unit(name: str, value: float | None, *, zero_ok: bool) -> None:
-    if value is None:
-        return
-    ok = (0.0 <= value <= 1.0) if zero_ok else (0.0 < value <= 1.0)
-    if not ok:
-        raise InvalidRequestError(name, f"must be in {'[0' if zero_ok else '(0'}, 1]")
-
-
 class MultiBlock(Strategy):
     name = "multi_block"
     summary = (
@@ -89,10 +81,6 @@ class MultiBlock(Strategy):
                     raise InvalidRequestError(key, "applies to multi_block with cache prefix only")
         if p.cfg_scale > 0:
             raise InvalidRequestError("multi_block", "cannot be combined with cfg_scale")
-        _unit("block_add_threshold", p.block_add_threshold, zero_ok=True)
-        _unit("decoded_token_threshold", p.decoded_token_threshold, zero_ok=False)
-        if p.max_active_blocks is not None and p.max_active_blocks < 1:
-            raise InvalidRequestError("max_active_blocks", "must be >= 1")
         if p.early_stop and cache == "prefix":
             raise InvalidRequestError(
                 "early_stop", "not with d3LLM's delayed cache (cache: prefix); send false"
