@@ -145,6 +145,7 @@ RULES: dict[str, FamilyRules] = {
     "llada": LLADA_RULES,
     "dream": QWEN_RULES,
     "sdar": QWEN_RULES,
+    "fast_dllm_v2": QWEN_RULES,  # Qwen2.5's tensors, as Dream's
     "sdar_moe": SDAR_MOE_RULES,
     "llada2": LLADA2_RULES,
     "diffusion_gemma": GEMMA_RULES,

@@ -144,3 +144,27 @@ def test_engine_equals_published_generate_with_early_stops(tmp_path: Path) -> No
     pairs = [(p, {"max_tokens": 40, "threshold": 0.5}) for p in prompts]
     expected = check_alone_and_batched(engine, pairs, testing.block_reference, past=0)
     assert any(len(e) < 40 for e in expected), "some answer must stop early"
+
+
+def test_two_ranks_equal_one_device(ckpt: str) -> None:
+    """Tensor parallel on 2 CPU ranks (Qwen's sharding): the same tokens as one device."""
+    from dlm_engine.parallel import ParallelLM
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # two ranks on a 2-core machine
+    one = Engine(EngineConfig(model=ckpt))
+    two = Engine(EngineConfig(model=ckpt, tensor_parallel_size=2))
+    model = two.runner.model
+    try:
+        assert isinstance(model, ParallelLM) and len(model.workers.pids) == 1
+        prompts = [one.encode_prompt(text=t) for t in TEXTS]
+
+        def tokens(engine: Engine, ps, params) -> list[list[int]]:
+            return [o.token_ids for o in engine.generate(ps, params)]
+
+        assert tokens(two, prompts[:1], CASES[0]) == tokens(one, prompts[:1], CASES[0])
+        assert tokens(two, prompts, CASES) == tokens(one, prompts, CASES)
+    finally:
+        model.close()
+        torch.set_num_threads(before)
+    assert all(p.poll() is not None for p in model.workers.procs)  # every worker reaped
