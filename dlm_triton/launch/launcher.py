@@ -44,7 +44,7 @@ from dlm_triton.launch.procs import (
     terminate,
     visible_gpus,
 )
-from dlm_triton.launch.runtime_info import model_info
+from dlm_triton.launch.runtime_info import fused_fallbacks, model_info
 from dlm_triton.launch.server_dist import ServerDist, find_server
 from dlm_triton.launch.supervisor import Supervisor
 
@@ -724,9 +724,14 @@ class TritonServerProcess:
             print(f"stopped: {json.dumps(self.last_stop)}", file=sys.stderr)
 
     def runtime(self) -> dict[str, str]:
-        """What the loaded model reports of itself (dtype and why, device, torch threads)."""
+        """What the loaded model reports of itself (dtype and why, device, torch threads, and
+        compiled kernels that fell back to eager, if any did)."""
         text = http_text(f"http://127.0.0.1:{self.ports.metrics}/metrics")
-        return model_info(text, self.model_name)
+        info = model_info(text, self.model_name)
+        fallbacks = fused_fallbacks(text, self.model_name)
+        if fallbacks:
+            info["fused_kernel_fallbacks"] = str(fallbacks)
+        return info
 
     def describe(self) -> str:
         info = {

@@ -23,3 +23,19 @@ def model_info(metrics_text: str, model: str) -> dict[str, str]:
         if labels.get("model") == model:
             return {k: v for k, v in labels.items() if k not in ("model", "instance")}
     return {}
+
+
+_FALLBACKS = re.compile(r"^dlm_fused_kernel_fallbacks\{(?P<labels>.*)\}\s+(?P<value>\S+)\s*$", re.M)
+
+
+def fused_fallbacks(metrics_text: str, model: str) -> int | None:
+    """Compiled kernels of ``model``'s instances that fell back to eager for good (summed over
+    instances), from ``dlm_fused_kernel_fallbacks``; None when the metric is absent. A fallback
+    is a silent slowdown otherwise: the ready line shows it."""
+    total, seen = 0, False
+    for match in _FALLBACKS.finditer(metrics_text):
+        labels = dict(_LABEL.findall(match.group("labels")))
+        if labels.get("model") == model:
+            total += int(float(match.group("value")))
+            seen = True
+    return total if seen else None

@@ -26,3 +26,16 @@ def test_the_named_models_labels_are_read_with_escapes() -> None:
 def test_absent_metric_or_model_gives_nothing() -> None:
     assert model_info("", "tiny") == {}
     assert model_info(TEXT, "missing") == {}
+
+
+def test_fused_kernel_fallbacks_are_summed_over_the_models_instances() -> None:
+    from dlm_triton.launch.runtime_info import fused_fallbacks
+
+    text = TEXT + (
+        'dlm_fused_kernel_fallbacks{model="tiny",instance="tiny_0"} 1\n'
+        'dlm_fused_kernel_fallbacks{model="tiny",instance="tiny_1"} 2\n'
+        'dlm_fused_kernel_fallbacks{model="other",instance="o_0"} 0\n'
+    )
+    assert fused_fallbacks(text, "tiny") == 3
+    assert fused_fallbacks(text, "other") == 0
+    assert fused_fallbacks(TEXT, "tiny") is None  # metric absent
