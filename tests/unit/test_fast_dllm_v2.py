@@ -168,3 +168,29 @@ def test_two_ranks_equal_one_device(ckpt: str) -> None:
         model.close()
         torch.set_num_threads(before)
     assert all(p.poll() is not None for p in model.workers.procs)  # every worker reaped
+
+
+def test_bucketed_shapes_give_the_same_tokens(ckpt: str) -> None:
+    """The CUDA-graph path's padded shapes (rows, query width, pages) on CPU: the shifted
+    logits index and the sub-block spans still read the right positions."""
+    engine = Engine(EngineConfig(model=ckpt, device="cpu"))
+    graphs = testing.EagerGraphs()
+    engine.runner.graphs, engine.runner.length_multiple = graphs, 32
+    prompts = [engine.encode_prompt(text=t) for t in TEXTS]
+    expected = [testing.block_reference(engine, p, CASES[1]) for p in prompts]
+    assert [o.token_ids for o in engine.generate(prompts, CASES[1])] == expected
+    assert graphs.shapes, "the padded path ran"
+
+
+def test_prefix_cache_keeps_the_position_before_the_first_decoded_one(ckpt: str) -> None:
+    """A prompt ending on a block boundary: its first decoded token is read from the prompt's
+    last position, so a repeat shares all prompt pages but the last block's."""
+    engine = Engine(EngineConfig(model=ckpt, device="cpu"))
+    prompt = engine.encode_prompt(text="y" * 32)
+    assert len(prompt) == 32
+    case = {"max_tokens": 20, "threshold": 0.3}
+    expected = testing.block_reference(engine, prompt, case)
+    assert engine.generate([prompt], case)[0].token_ids == expected
+    hits = engine.runner.prefix_cache.hit_tokens
+    assert engine.generate([prompt], case)[0].token_ids == expected
+    assert engine.runner.prefix_cache.hit_tokens - hits == 16
