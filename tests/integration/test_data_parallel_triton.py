@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from dlm_client import DLMClient
 from triton_metrics import scrape
 
@@ -64,9 +63,7 @@ def test_two_replicas_share_the_work_by_load(server_factory, wider_checkpoint: P
     time.sleep(1.0)  # the long request is running on one replica
     boards = _boards(server)
     assert len(boards) == 1 and len(list(boards[0].iterdir())) == 2
-    texts = [
-        client.generate("Name a color.", max_tokens=8, steps=8).text for _ in range(SHORTS)
-    ]
+    texts = [client.generate("Name a color.", max_tokens=8, steps=8).text for _ in range(SHORTS)]
     short_while_long = not long_done.is_set()
     thread.join(timeout=300)
     assert long_done.is_set() and long_text and long_text[0]
@@ -74,7 +71,9 @@ def test_two_replicas_share_the_work_by_load(server_factory, wider_checkpoint: P
     after = _requests_by_instance(server)
     got = sorted(after[k] - before.get(k, 0.0) for k in after)
     assert sum(got) == SHORTS + 1, (before, after)
-    print(f"requests per replica: {got} (short ones sent while the long one ran: {short_while_long})")
+    print(
+        f"requests per replica: {got} (short ones sent while the long one ran: {short_while_long})"
+    )
     # the replica holding the long request stepped aside: it took at most two of the short
     # ones (the first may reach it before its load shows); spread by count it takes about half
     if short_while_long:
