@@ -4,6 +4,7 @@
 #
 #   benchmarks/compare_commits.sh prepare OLD NEW   # here: snapshots in build/snap_{old,new}
 #   benchmarks/compare_commits.sh run               # on the GPU host (carry build/), OUT=dir
+#                                                   # (ORDER="new old" runs the new one first)
 set -u
 case "${1:-}" in
 prepare)
@@ -19,13 +20,13 @@ run)
   if ! python -c "import llguidance" 2>/dev/null && ls gpu_wheels/llguidance-*.whl >/dev/null 2>&1; then
     pip install -q --no-deps --target /tmp/pyx gpu_wheels/llguidance-*.whl
   fi
-  for s in old new; do
+  for s in ${ORDER:-old new}; do
     (cd "build/snap_$s" && PYTHONPATH=.:/tmp/pyx timeout 200 python benchmarks/gpu_bench.py \
       --models llada-8b --modes exact,dual --batches 1,8,32 --steps 64 \
       --out "$OUT/$s-gpu_bench" > "$OUT/$s-gpu_bench.log" 2>&1)
     echo "$s $(cat "build/snap_$s/COMMIT")"; tail -8 "$OUT/$s-gpu_bench.log"
   done
-  for s in old new; do
+  for s in ${ORDER:-old new}; do
     (cd "build/snap_$s" && PYTHONPATH=.:/tmp/pyx timeout 120 python benchmarks/gpu_bench_block.py \
       --models sdar-4b --batches 1,32,128 --out "$OUT/$s-block" > "$OUT/$s-block.log" 2>&1)
     echo "$s"; tail -5 "$OUT/$s-block.log"
