@@ -28,6 +28,11 @@ EXPECTED_MODELS = {
     "llada2.1-mini",
     "sdar-4b-chat",
     "sdar-8b-chat",
+    "sdar-30b-a3b-chat",
+    "fast-dllm-v2-7b",
+    # flagships: tensor (and expert) parallel over 4 GPUs
+    "llada2-flash",
+    "llada2.1-flash",
 }
 
 
