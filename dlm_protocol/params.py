@@ -73,7 +73,8 @@ ALGORITHM_SUMMARIES = {
     "factor": "Fast-dLLM: the n most confident while c_i >= 1 - factor / (i + 2)",
     "local_leap": "LocalLeap (LLaDA): confident anchors and their confident neighbours",
     "entropy_threshold": "d3LLM: every position with entropy below threshold (at least one)",
-    "low_confidence_dynamic": "SDAR / LLaDA2: every confidence above threshold when at least k "
+    "low_confidence_dynamic": "SDAR / LLaDA2 / Fast-dLLM v2: every confidence above threshold "
+    "when at least k "
     "pass, else the k most confident",
     "low_confidence_static": "SDAR: the k most confident positions",
     "sequential": "SDAR: the k masked positions nearest the block's start",
@@ -295,7 +296,7 @@ PARAMS: tuple[Param, ...] = (
             "max_denoising_steps",
         ),
         relations="at most `max_tokens`, divisible by the number of blocks "
-        "(`max_tokens / block_length`); block-diffusion models (SDAR, LLaDA2): steps per "
+        "(`max_tokens / block_length`); block-diffusion models (SDAR, LLaDA2, Fast-dLLM v2): steps per "
         "block, at most `block_length`, default `block_length`; DiffusionGemma: "
         "`max_denoising_steps` per canvas, default the checkpoint's",
         examples=(8, 0),
@@ -309,8 +310,8 @@ PARAMS: tuple[Param, ...] = (
         "`steps`; Dream: `max_tokens`",
         minimum=1,
         aliases=("block_size",),
-        relations="must divide `max_tokens`; block-diffusion models (SDAR, LLaDA2): the "
-        "model's block (its `block_size`, LLaDA2 32) unless given, blocks aligned to absolute "
+        relations="must divide `max_tokens`; block-diffusion models (SDAR, LLaDA2, Fast-dLLM v2): "
+        "the model's block (its `block_size` / `bd_size`, LLaDA2 32) unless given, blocks aligned to absolute "
         "positions so the canvas runs to the end of the last block",
         examples=(8, 0),
     ),
@@ -322,7 +323,8 @@ PARAMS: tuple[Param, ...] = (
         "`threshold` is given)",
         choices=ALGORITHMS,
         aliases=("remasking", "alg", "remasking_strategy", "decoding_strategy"),
-        relations="`origin` is Dream's only; block-diffusion models (SDAR, LLaDA2) take "
+        relations="`origin` is Dream's only; block-diffusion models (SDAR, LLaDA2, Fast-dLLM v2) "
+        "take "
         "`low_confidence_dynamic` (their default), `low_confidence_static`, `sequential`, "
         "`entropy_bounded`, `joint_threshold`, `multi_bd`; other models refuse all six by name",
         examples=("random", "beam"),
