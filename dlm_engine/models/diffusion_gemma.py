@@ -37,6 +37,7 @@ from torch import nn
 from ..cuda_graphs import GraphCache
 from .family import Family
 from .grouped_experts import gated_experts
+from .shard_rules import ShardRules
 
 log = logging.getLogger(__name__)
 
@@ -744,7 +745,19 @@ def _uniform_defaults(gen: dict[str, Any]) -> dict[str, Any]:
 
 # DiffusionGemma: uniform-state diffusion over canvases (decoding/uniform_diffusion.py);
 # Gemma's tokenizer, turns end with <end_of_turn>.
+# DiffusionGemma (`model.decoder.layers.N.experts.{gate_up_proj,down_proj}`, [E, ...]): only
+# its experts are spread (expert parallel); attention, dense MLPs and router are replicated
+GEMMA_RULES = ShardRules(
+    (),
+    expert_stack=r"\.layers\.\d+\.experts$",
+    expert_stack_tensor=r"\.layers\.\d+\.experts\.(gate_up_proj|down_proj)$",
+    tensor_parallel=False,
+    skip=("model.encoder.vision_tower.", "model.encoder.embed_vision."),
+)
+
+
 FAMILY = Family(
+    shard_rules=GEMMA_RULES,
     name="diffusion_gemma",
     label="DiffusionGemma",
     detect=is_diffusion_gemma,

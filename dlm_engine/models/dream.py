@@ -25,6 +25,7 @@ from .common import (
     gated_mlp,
 )
 from .family import D3LLMLoop, Family
+from .shard_rules import QWEN_RULES
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,7 @@ def _is_dream(config: dict[str, Any]) -> bool:
 # Dream: Qwen2 tokenizer, logits shifted by one; Dream's own schedule and `origin` sampler;
 # d3LLM's Dream loops compare entropies strictly, single-block in the logits' dtype.
 FAMILY = Family(
+    shard_rules=QWEN_RULES,
     name="dream",
     label="Dream",
     detect=_is_dream,

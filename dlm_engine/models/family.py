@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from ..tokenizer_build import CharTokenizer
+from .shard_rules import ShardRules
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,8 @@ class Family:
     d3llm_defaults: Mapping[str, Any] | None = None  # a d3LLM checkpoint's published rule
     # request-key defaults from a generation config, when the family reads its own keys
     checkpoint_defaults: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # which published tensors tensor / expert parallel ranks split how (None: not supported)
+    shard_rules: ShardRules | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "default_thresholds", _frozen(self.default_thresholds))

@@ -24,6 +24,7 @@ from typing import Any
 from ..tokenizer_build import DREAM_CHAT_TEMPLATE, CharTokenizer
 from .dream import DreamArch, DreamModel
 from .family import Family
+from .shard_rules import QWEN_RULES
 
 # published generate(): small_block_size 8, block_size 32 (config `bd_size`), mask 151665
 SUB_BLOCK_LENGTH = 8
@@ -77,6 +78,7 @@ def _is_fast_dllm_v2(config: dict[str, Any]) -> bool:
 # the published threshold rule (the model card's and demo's threshold 0.9; generate()'s own
 # default 1 commits one token a step); stops at <|im_end|> (generate()'s stop_token 151645).
 FAMILY = Family(
+    shard_rules=QWEN_RULES,
     name="fast_dllm_v2",
     label="Fast-dLLM v2",
     detect=_is_fast_dllm_v2,

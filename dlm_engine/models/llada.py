@@ -25,6 +25,7 @@ from .common import (
     gated_mlp,
 )
 from .family import Family
+from .shard_rules import COLUMN, ROW, VOCAB, ShardRules
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,19 @@ def _is_llada(config: dict[str, Any]) -> bool:
 
 # LLaDA: Llama-3 style tokenizer, no logits shift; its published rules are the step schedule's
 # low_confidence / random, plus Fast-dLLM's factor and dlmserve's LocalLeap (LLaDA only).
+# LLaDA (`model.transformer.blocks.N.*`): the head `model.transformer.ff_out` is the vocab
+# slice; `blocks.N.ff_out` is the MLP's down projection.
+LLADA_RULES = ShardRules(
+    (
+        (r"\.blocks\.\d+\.(q_proj|k_proj|v_proj|ff_proj|up_proj)\.(weight|bias)$", COLUMN),
+        (r"\.blocks\.\d+\.(attn_out|ff_out)\.(weight|bias)$", ROW),
+        (r"^model\.transformer\.ff_out\.(weight|bias)$", VOCAB),
+    )
+)
+
+
 FAMILY = Family(
+    shard_rules=LLADA_RULES,
     name="llada",
     label="LLaDA",
     detect=_is_llada,

@@ -35,6 +35,7 @@ from .common import (
 )
 from .family import Family
 from .moe import route, run_experts
+from .shard_rules import COLUMN, PARTIAL, QKV, ROW, VOCAB, ShardRules
 
 
 @dataclass(frozen=True)
@@ -322,7 +323,33 @@ def _is_llada2(config: dict[str, Any]) -> bool:
 # LLaDA2: Ling 2.0 tokenizer, `<role>HUMAN</role>...<|role_end|>` turns; blocks of 32 with
 # confidence-threshold decoding (0.95), as the published `generate()` does, which also caps
 # steps at gen_length // minimal_topk; Diffulex's LLaDA2 sampler takes accept_threshold 0.9.
+def _llada2_qkv_rows(config: dict[str, Any]) -> tuple[int, int]:
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    kv = int(config.get("num_key_value_heads") or heads)
+    return heads * head_dim, kv * head_dim
+
+
+# LLaDA2 (BailingMoeV2): fused `query_key_value`, `dense`; every MLP (the dense first layers,
+# each routed expert, the shared expert) split by its intermediate size; the router and its
+# expert bias replicated, so every rank routes every token alike.
+LLADA2_RULES = ShardRules(
+    (
+        (r"\.attention\.query_key_value\.(weight|bias)$", QKV),
+        (r"\.attention\.dense\.(weight|bias)$", ROW),
+        (r"\.mlp\.(experts\.\d+\.|shared_experts\.)?(gate_proj|up_proj)\.weight$", COLUMN),
+        (r"\.mlp\.(experts\.\d+\.|shared_experts\.)?down_proj\.weight$", PARTIAL),
+        (r"^lm_head\.weight$", VOCAB),
+    ),
+    summed=(r"\.layers\.\d+\.mlp$",),
+    qkv_rows=_llada2_qkv_rows,
+    expert_list=r"\.mlp\.experts$",
+    expert_tensor=r"\.mlp\.experts\.(\d+)\.",
+)
+
+
 FAMILY = Family(
+    shard_rules=LLADA2_RULES,
     name="llada2",
     label="LLaDA2",
     detect=_is_llada2,

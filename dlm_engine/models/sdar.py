@@ -28,6 +28,7 @@ from .common import (
 )
 from .dream import DreamMLP, QwenLayoutLM
 from .family import Family
+from .shard_rules import QWEN_RULES
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ def _is_sdar(config: dict[str, Any]) -> bool:
 # published generate.py's default remasking strategy (confidence_threshold 0.85); Diffulex's
 # SDAR sampler compares multi_bd confidences with a fixed 0.95 (diffulex/sampler/sdar.py).
 FAMILY = Family(
+    shard_rules=QWEN_RULES,
     name="sdar",
     label="SDAR",
     detect=_is_sdar,

@@ -28,6 +28,7 @@ from .family import Family
 from .moe import run_experts
 from .sdar import FAMILY as SDAR_FAMILY
 from .sdar import SDARArch, SDARAttention
+from .shard_rules import COLUMN, PARTIAL, QWEN_RULES, ROW, VOCAB, ShardRules
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,25 @@ def _is_sdar_moe(config: dict[str, Any]) -> bool:
 
 # SDAR-MoE decodes as SDAR does (same tokenizer, template, mask id, blocks of 4 and rules;
 # SGLang's DLLM_PARAMS give both architectures block_size 4, mask_id 151669)
+# SDAR-MoE (Qwen3-MoE layout): attention as Qwen's; every MLP (dense layers, each routed
+# expert) split by its intermediate size and summed once a layer, as LLaDA2's; router
+# replicated
+SDAR_MOE_RULES = ShardRules(
+    (
+        *QWEN_RULES.tensors[:1],
+        (r"\.mlp\.(experts\.\d+\.)?(gate_proj|up_proj)\.weight$", COLUMN),
+        (r"\.self_attn\.o_proj\.(weight|bias)$", ROW),
+        (r"\.mlp\.(experts\.\d+\.)?down_proj\.weight$", PARTIAL),
+        (r"^lm_head\.weight$", VOCAB),
+    ),
+    summed=(r"\.layers\.\d+\.mlp$",),
+    expert_list=r"\.mlp\.experts$",
+    expert_tensor=r"\.mlp\.experts\.(\d+)\.",
+)
+
+
 FAMILY = Family(
+    shard_rules=SDAR_MOE_RULES,
     name="sdar_moe",
     label="SDAR-MoE",
     detect=_is_sdar_moe,

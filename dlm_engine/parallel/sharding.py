@@ -1,6 +1,7 @@
 """Which published tensors each rank holds a slice of, per family, and reading only that slice.
 
-One table per family names its published tensors by pattern: `column` (output features
+One table per family (`ShardRules`, in its model file, named by its `Family` value's
+`shard_rules`; the type in `models/shard_rules.py`) names its published tensors by pattern: `column` (output features
 split: q/k/v by heads, gate/up by intermediate size), `row` (input features split: attention
 output, MLP down; summed over ranks by `RowParallelLinear`), `vocab` (the untied output head,
 split by vocabulary rows: `VocabParallelHead`), `qkv` (a published fused q/k/v: each rank's
@@ -10,7 +11,7 @@ routed and shared experts together, tensor parallel inside every expert). Everyt
 cut before `fuse_projections`, so a rank's fused q/k/v (or stacked experts) is built from its
 own shards.
 
-Expert parallel (`expert_parallel`): a family's routed experts (`FamilyRules.expert_list`) are
+Expert parallel (`expert_parallel`): a family's routed experts (`ShardRules.expert_list`) are
 spread whole over the ranks instead: rank r holds experts r*E/N .. (r+1)*E/N - 1, read whole and
 renumbered from 0, and its MoE layer learns its first expert (`first_expert`, see
 `models/moe.py`'s `run_experts`); the shared expert and everything else stays as above, so the
@@ -22,8 +23,6 @@ sliced by expert into `gemma.LocalExperts`, everything else is replicated.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,135 +32,33 @@ from safetensors import safe_open
 from torch import nn
 
 from ..hub import weight_files
+from ..models import FAMILIES, family_of
+from ..models.shard_rules import (
+    COLUMN,
+    EXPERT,
+    EXPERT_ROWS,
+    NEVER,
+    PARTIAL,
+    QKV,
+    REPLICATED,
+    ROW,
+    VOCAB,
+    ShardRules,
+)
 from .layers import RowParallelLinear, VocabParallelHead
 
-COLUMN, ROW, VOCAB, REPLICATED = "column", "row", "vocab", "replicated"
-# a row-split layer whose partial output is summed over ranks by its module's all-reduce
-# (`FamilyRules.summed`), not its own: LLaDA2's MLPs, where the routed experts and the shared
-# expert add up before one all-reduce a layer
-PARTIAL = "partial"
-# a published fused q/k/v projection: each rank takes its heads of q, of k and of v
-QKV = "qkv"
-# one routed expert's tensor under expert parallel: whole on the rank that holds the expert
-EXPERT = "expert"
-# a stacked experts tensor [E, ...] under expert parallel: this rank's E/N experts
-EXPERT_ROWS = "expert_rows"
-NEVER = r"(?!)"  # a pattern no name matches (the root module's empty name included)
 
-
-@dataclass(frozen=True)
-class FamilyRules:
-    """How one family's published tensors are split (first matching pattern wins; the rest
-    is replicated), which modules' outputs are all-reduced, and the q / k-or-v rows of a
-    fused q/k/v tensor."""
-
-    tensors: tuple[tuple[str, str], ...]
-    summed: tuple[str, ...] = ()
-    qkv_rows: Callable[[dict[str, Any]], tuple[int, int]] | None = None
-    # expert parallel: the routed experts' module list (its parent gets `first_expert`), a
-    # pattern of one expert's published tensors (group 1: the expert's number) and the
-    # config key of their count; None: no routed experts to spread
-    expert_list: str | None = None
-    expert_tensor: str | None = None
-    expert_count_key: str = "num_experts"
-    # expert parallel over stacked experts: the module (replaced by `gemma.LocalExperts`) and
-    # a pattern of its published tensors, sliced by expert
-    expert_stack: str | None = None
-    expert_stack_tensor: str | None = None
-    # False: nothing is split by tensor parallel (only expert parallel runs)
-    tensor_parallel: bool = True
-    skip: tuple[str, ...] = ()  # published tensors never read (a vision tower)
-
-
-# LLaDA (`model.transformer.blocks.N.*`): the head `model.transformer.ff_out` is the vocab
-# slice; `blocks.N.ff_out` is the MLP's down projection.
-LLADA_RULES = FamilyRules(
-    (
-        (r"\.blocks\.\d+\.(q_proj|k_proj|v_proj|ff_proj|up_proj)\.(weight|bias)$", COLUMN),
-        (r"\.blocks\.\d+\.(attn_out|ff_out)\.(weight|bias)$", ROW),
-        (r"^model\.transformer\.ff_out\.(weight|bias)$", VOCAB),
-    )
-)
-# The Qwen layout (Dream: Qwen2; SDAR: Qwen3, whose per-head q/k norms are replicated).
-QWEN_RULES = FamilyRules(
-    (
-        (r"\.self_attn\.(q_proj|k_proj|v_proj)\.(weight|bias)$", COLUMN),
-        (r"\.mlp\.(gate_proj|up_proj)\.weight$", COLUMN),
-        (r"\.self_attn\.o_proj\.(weight|bias)$", ROW),
-        (r"\.mlp\.down_proj\.weight$", ROW),
-        (r"^lm_head\.weight$", VOCAB),
-    )
-)
-
-
-def _llada2_qkv_rows(config: dict[str, Any]) -> tuple[int, int]:
-    heads = int(config["num_attention_heads"])
-    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-    kv = int(config.get("num_key_value_heads") or heads)
-    return heads * head_dim, kv * head_dim
-
-
-# LLaDA2 (BailingMoeV2): fused `query_key_value`, `dense`; every MLP (the dense first layers,
-# each routed expert, the shared expert) split by its intermediate size; the router and its
-# expert bias replicated, so every rank routes every token alike.
-LLADA2_RULES = FamilyRules(
-    (
-        (r"\.attention\.query_key_value\.(weight|bias)$", QKV),
-        (r"\.attention\.dense\.(weight|bias)$", ROW),
-        (r"\.mlp\.(experts\.\d+\.|shared_experts\.)?(gate_proj|up_proj)\.weight$", COLUMN),
-        (r"\.mlp\.(experts\.\d+\.|shared_experts\.)?down_proj\.weight$", PARTIAL),
-        (r"^lm_head\.weight$", VOCAB),
-    ),
-    summed=(r"\.layers\.\d+\.mlp$",),
-    qkv_rows=_llada2_qkv_rows,
-    expert_list=r"\.mlp\.experts$",
-    expert_tensor=r"\.mlp\.experts\.(\d+)\.",
-)
-# SDAR-MoE (Qwen3-MoE layout): attention as Qwen's; every MLP (dense layers, each routed
-# expert) split by its intermediate size and summed once a layer, as LLaDA2's; router
-# replicated
-SDAR_MOE_RULES = FamilyRules(
-    (
-        *QWEN_RULES.tensors[:1],
-        (r"\.mlp\.(experts\.\d+\.)?(gate_proj|up_proj)\.weight$", COLUMN),
-        (r"\.self_attn\.o_proj\.(weight|bias)$", ROW),
-        (r"\.mlp\.(experts\.\d+\.)?down_proj\.weight$", PARTIAL),
-        (r"^lm_head\.weight$", VOCAB),
-    ),
-    summed=(r"\.layers\.\d+\.mlp$",),
-    expert_list=r"\.mlp\.experts$",
-    expert_tensor=r"\.mlp\.experts\.(\d+)\.",
-)
-# DiffusionGemma (`model.decoder.layers.N.experts.{gate_up_proj,down_proj}`, [E, ...]): only
-# its experts are spread (expert parallel); attention, dense MLPs and router are replicated
-GEMMA_RULES = FamilyRules(
-    (),
-    expert_stack=r"\.layers\.\d+\.experts$",
-    expert_stack_tensor=r"\.layers\.\d+\.experts\.(gate_up_proj|down_proj)$",
-    tensor_parallel=False,
-    skip=("model.encoder.vision_tower.", "model.encoder.embed_vision."),
-)
-RULES: dict[str, FamilyRules] = {
-    "llada": LLADA_RULES,
-    "dream": QWEN_RULES,
-    "sdar": QWEN_RULES,
-    "fast_dllm_v2": QWEN_RULES,  # Qwen2.5's tensors, as Dream's
-    "sdar_moe": SDAR_MOE_RULES,
-    "llada2": LLADA2_RULES,
-    "diffusion_gemma": GEMMA_RULES,
-}
-
-
-def _has_experts(rules: FamilyRules) -> bool:
+def _has_experts(rules: ShardRules) -> bool:
     return rules.expert_tensor is not None or rules.expert_stack is not None
 
 
-def rules_for(family: str, expert_parallel: bool = False) -> FamilyRules:
+def rules_for(family: str, expert_parallel: bool = False) -> ShardRules:
     """The family's table, or a clear error naming the setting for a family without one."""
-    rules = RULES.get(family)
+    rules = family_of(family).shard_rules
     if rules is None or not (rules.tensor_parallel or expert_parallel):
-        split = sorted(f for f, r in RULES.items() if r.tensor_parallel)
-        only_ep = sorted(f for f, r in RULES.items() if not r.tensor_parallel)
+        tables = {f.name: f.shard_rules for f in FAMILIES if f.shard_rules is not None}
+        split = sorted(f for f, r in tables.items() if r.tensor_parallel)
+        only_ep = sorted(f for f, r in tables.items() if not r.tensor_parallel)
         raise ValueError(
             f"tensor_parallel_size > 1 is not supported for the {family} family yet "
             f"(supported: {', '.join(split)}; with expert_parallel only: {', '.join(only_ep)}); "
@@ -170,17 +67,19 @@ def rules_for(family: str, expert_parallel: bool = False) -> FamilyRules:
     return rules
 
 
-def check_expert_parallel(family: str, rules: FamilyRules) -> None:
+def check_expert_parallel(family: str, rules: ShardRules) -> None:
     """A clear error naming the setting for a family without routed experts."""
     if not _has_experts(rules):
-        with_experts = sorted(f for f, r in RULES.items() if _has_experts(r))
+        with_experts = sorted(
+            f.name for f in FAMILIES if f.shard_rules is not None and _has_experts(f.shard_rules)
+        )
         raise ValueError(
             f"expert_parallel is not supported for the {family} family (supported: "
             f"{', '.join(with_experts)}); serve it without expert_parallel"
         )
 
 
-def kind_of(name: str, rules: FamilyRules, expert_parallel: bool = False) -> str:
+def kind_of(name: str, rules: ShardRules, expert_parallel: bool = False) -> str:
     """How the published tensor `name` is split across ranks."""
     if expert_parallel and rules.expert_tensor and re.search(rules.expert_tensor, name):
         return EXPERT
@@ -341,7 +240,7 @@ def read_shard(
     return state
 
 
-def _own_expert(name: str, rules: FamilyRules, rank: int, per_rank: int) -> str | None:
+def _own_expert(name: str, rules: ShardRules, rank: int, per_rank: int) -> str | None:
     """The local name of a routed expert's tensor on rank `rank` (experts renumbered from
     0), or None when another rank holds that expert."""
     m = re.search(rules.expert_tensor or NEVER, name)
