@@ -743,8 +743,6 @@ def _uniform_defaults(gen: dict[str, Any]) -> dict[str, Any]:
     return uniform_defaults(gen)
 
 
-# DiffusionGemma: uniform-state diffusion over canvases (decoding/uniform_diffusion.py);
-# Gemma's tokenizer, turns end with <end_of_turn>.
 # DiffusionGemma (`model.decoder.layers.N.experts.{gate_up_proj,down_proj}`, [E, ...]): only
 # its experts are spread (expert parallel); attention, dense MLPs and router are replicated
 GEMMA_RULES = ShardRules(
@@ -756,8 +754,9 @@ GEMMA_RULES = ShardRules(
 )
 
 
+# DiffusionGemma: uniform-state diffusion over canvases (decoding/uniform_diffusion.py);
+# Gemma's tokenizer, turns end with <end_of_turn>.
 FAMILY = Family(
-    shard_rules=GEMMA_RULES,
     name="diffusion_gemma",
     label="DiffusionGemma",
     detect=is_diffusion_gemma,
@@ -770,4 +769,5 @@ FAMILY = Family(
     uniform_diffusion=True,
     tool_format="gemma4",  # <|tool_call>call:name{...}<tool_call|> (dlm_engine/tool_gemma4.py)
     checkpoint_defaults=_uniform_defaults,
+    shard_rules=GEMMA_RULES,
 )

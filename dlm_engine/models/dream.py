@@ -166,7 +166,6 @@ def _is_dream(config: dict[str, Any]) -> bool:
 # Dream: Qwen2 tokenizer, logits shifted by one; Dream's own schedule and `origin` sampler;
 # d3LLM's Dream loops compare entropies strictly, single-block in the logits' dtype.
 FAMILY = Family(
-    shard_rules=QWEN_RULES,
     name="dream",
     label="Dream",
     detect=_is_dream,
@@ -184,4 +183,5 @@ FAMILY = Family(
     ),
     # eval_scripts/dream_gsm8k_cot.sh, README (SGLang, tau 0.4)
     d3llm_defaults={"multi_block": True, "algorithm": "entropy_threshold", "threshold": 0.4},
+    shard_rules=QWEN_RULES,
 )

@@ -78,7 +78,6 @@ def _is_fast_dllm_v2(config: dict[str, Any]) -> bool:
 # the published threshold rule (the model card's and demo's threshold 0.9; generate()'s own
 # default 1 commits one token a step); stops at <|im_end|> (generate()'s stop_token 151645).
 FAMILY = Family(
-    shard_rules=QWEN_RULES,
     name="fast_dllm_v2",
     label="Fast-dLLM v2",
     detect=_is_fast_dllm_v2,
@@ -94,4 +93,5 @@ FAMILY = Family(
     char_tokenizer=FAST_DLLM_V2_TOKENIZER,
     default_thresholds={"low_confidence_dynamic": 0.9},
     sub_block_length=SUB_BLOCK_LENGTH,
+    shard_rules=QWEN_RULES,
 )

@@ -163,8 +163,6 @@ def _is_llada(config: dict[str, Any]) -> bool:
     )
 
 
-# LLaDA: Llama-3 style tokenizer, no logits shift; its published rules are the step schedule's
-# low_confidence / random, plus Fast-dLLM's factor and dlmserve's LocalLeap (LLaDA only).
 # LLaDA (`model.transformer.blocks.N.*`): the head `model.transformer.ff_out` is the vocab
 # slice; `blocks.N.ff_out` is the MLP's down projection.
 LLADA_RULES = ShardRules(
@@ -176,8 +174,9 @@ LLADA_RULES = ShardRules(
 )
 
 
+# LLaDA: Llama-3 style tokenizer, no logits shift; its published rules are the step schedule's
+# low_confidence / random, plus Fast-dLLM's factor and dlmserve's LocalLeap (LLaDA only).
 FAMILY = Family(
-    shard_rules=LLADA_RULES,
     name="llada",
     label="LLaDA",
     detect=_is_llada,
@@ -193,4 +192,5 @@ FAMILY = Family(
     gumbel_proposals=True,
     # chat/chat_d3llm_llada.py, eval_scripts/llada_gsm8k_cot.sh, README (SGLang, tau 0.5)
     d3llm_defaults={"multi_block": True, "algorithm": "entropy_threshold", "threshold": 0.5},
+    shard_rules=LLADA_RULES,
 )

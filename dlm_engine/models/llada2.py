@@ -320,9 +320,6 @@ def _is_llada2(config: dict[str, Any]) -> bool:
     return str(config.get("model_type", "")).lower() == "llada2_moe" or "llada2moemodellm" in archs
 
 
-# LLaDA2: Ling 2.0 tokenizer, `<role>HUMAN</role>...<|role_end|>` turns; blocks of 32 with
-# confidence-threshold decoding (0.95), as the published `generate()` does, which also caps
-# steps at gen_length // minimal_topk; Diffulex's LLaDA2 sampler takes accept_threshold 0.9.
 def _llada2_qkv_rows(config: dict[str, Any]) -> tuple[int, int]:
     heads = int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
@@ -348,8 +345,10 @@ LLADA2_RULES = ShardRules(
 )
 
 
+# LLaDA2: Ling 2.0 tokenizer, `<role>HUMAN</role>...<|role_end|>` turns; blocks of 32 with
+# confidence-threshold decoding (0.95), as the published `generate()` does, which also caps
+# steps at gen_length // minimal_topk; Diffulex's LLaDA2 sampler takes accept_threshold 0.9.
 FAMILY = Family(
-    shard_rules=LLADA2_RULES,
     name="llada2",
     label="LLaDA2",
     detect=_is_llada2,
@@ -365,4 +364,5 @@ FAMILY = Family(
     char_tokenizer=LLADA2_TOKENIZER,
     default_thresholds={"low_confidence_dynamic": 0.95, "multi_bd": 0.9},
     steps_capped_by_length=True,
+    shard_rules=LLADA2_RULES,
 )

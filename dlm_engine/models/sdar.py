@@ -144,7 +144,6 @@ def _is_sdar(config: dict[str, Any]) -> bool:
 # published generate.py's default remasking strategy (confidence_threshold 0.85); Diffulex's
 # SDAR sampler compares multi_bd confidences with a fixed 0.95 (diffulex/sampler/sdar.py).
 FAMILY = Family(
-    shard_rules=QWEN_RULES,
     name="sdar",
     label="SDAR",
     detect=_is_sdar,
@@ -159,4 +158,5 @@ FAMILY = Family(
     generation_length=128,  # SDAR generate.py: gen_length 128
     char_tokenizer=SDAR_TOKENIZER,
     default_thresholds={"low_confidence_dynamic": 0.85, "multi_bd": 0.95},
+    shard_rules=QWEN_RULES,
 )

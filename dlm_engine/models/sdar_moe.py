@@ -186,8 +186,6 @@ def _is_sdar_moe(config: dict[str, Any]) -> bool:
     return str(config.get("model_type", "")).lower() == "sdar_moe" or "sdarmoeforcausallm" in archs
 
 
-# SDAR-MoE decodes as SDAR does (same tokenizer, template, mask id, blocks of 4 and rules;
-# SGLang's DLLM_PARAMS give both architectures block_size 4, mask_id 151669)
 # SDAR-MoE (Qwen3-MoE layout): attention as Qwen's; every MLP (dense layers, each routed
 # expert) split by its intermediate size and summed once a layer, as LLaDA2's; router
 # replicated
@@ -205,8 +203,9 @@ SDAR_MOE_RULES = ShardRules(
 )
 
 
+# SDAR-MoE decodes as SDAR does (same tokenizer, template, mask id, blocks of 4 and rules;
+# SGLang's DLLM_PARAMS give both architectures block_size 4, mask_id 151669)
 FAMILY = Family(
-    shard_rules=SDAR_MOE_RULES,
     name="sdar_moe",
     label="SDAR-MoE",
     detect=_is_sdar_moe,
@@ -221,4 +220,5 @@ FAMILY = Family(
     generation_length=SDAR_FAMILY.generation_length,
     char_tokenizer=SDAR_TOKENIZER,
     default_thresholds=SDAR_FAMILY.default_thresholds,
+    shard_rules=SDAR_MOE_RULES,
 )
