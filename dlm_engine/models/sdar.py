@@ -96,12 +96,15 @@ class SDARAttention(QKVHeads, nn.Module):
 
 
 class SDARLayer(nn.Module):
-    def __init__(self, a: SDARArch) -> None:
+    """One decoder layer; `mlp` defaults to the Qwen MLP (same names, no biases), SDAR-MoE
+    passes its routed experts."""
+
+    def __init__(self, a: SDARArch, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = SDARAttention(a)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.mlp = DreamMLP(a)  # the Qwen MLP: same names, no biases
+        self.mlp = DreamMLP(a) if mlp is None else mlp
 
     def forward(self, x: torch.Tensor, rope, batch: ForwardBatch, layer: int) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), rope, batch, layer)
@@ -110,10 +113,10 @@ class SDARLayer(nn.Module):
 
 
 class _Backbone(nn.Module):
-    def __init__(self, a: SDARArch) -> None:
+    def __init__(self, a: SDARArch, layers: nn.ModuleList) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(SDARLayer(a) for _ in range(a.num_hidden_layers))
+        self.layers = layers
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
@@ -123,7 +126,7 @@ class SDARModel(QwenLayoutLM):
     def __init__(self, arch: SDARArch) -> None:
         super().__init__()
         self.arch = arch
-        self.model = _Backbone(arch)
+        self.model = _Backbone(arch, nn.ModuleList(self.make_layers(arch)))
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.head_dim = arch.head_dim
@@ -133,6 +136,10 @@ class SDARModel(QwenLayoutLM):
     def block_size(self) -> int:
         """The denoising block the checkpoint was trained with (config `block_size`)."""
         return self.arch.block_size
+
+    @staticmethod
+    def make_layers(arch: SDARArch) -> list[nn.Module]:
+        return [SDARLayer(arch) for _ in range(arch.num_hidden_layers)]
 
 
 def _is_sdar(config: dict[str, Any]) -> bool:

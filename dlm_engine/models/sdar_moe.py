@@ -22,12 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..tokenizer_build import SDAR_TOKENIZER
-from .common import ForwardBatch, RMSNorm, fuse_gate_up
-from .dream import DreamMLP, QwenLayoutLM
+from .common import fuse_gate_up
 from .family import Family
 from .moe import run_experts
 from .sdar import FAMILY as SDAR_FAMILY
-from .sdar import SDARArch, SDARAttention
+from .sdar import SDARArch, SDARLayer, SDARModel
 from .shard_rules import COLUMN, PARTIAL, QWEN_RULES, ROW, VOCAB, ShardRules
 
 
@@ -132,44 +131,18 @@ class SDARMoeSparseMoe(nn.Module):
         return run_experts(flat, chosen, weights, gate_up, down, self.first_expert).view_as(x)
 
 
-class SDARMoeLayer(nn.Module):
-    def __init__(self, a: SDARMoeArch, index: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.self_attn = SDARAttention(a)
-        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.mlp: nn.Module = SDARMoeSparseMoe(a) if a.is_sparse(index) else DreamMLP(a)
+class SDARMoeModel(SDARModel):
+    """`SDARMoeForCausalLM` weights: SDAR's model with routed experts in the sparse layers;
+    logits unshifted, attention block-causal (by the mask)."""
 
-    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch, layer: int) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), rope, batch, layer)
-        x, h = self.post_attention_layernorm.add_and_norm(x, attn)
-        return x + self.mlp(h)
+    arch: SDARMoeArch
 
-
-class _Backbone(nn.Module):
-    def __init__(self, a: SDARMoeArch) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(SDARMoeLayer(a, i) for i in range(a.num_hidden_layers))
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-
-
-class SDARMoeModel(QwenLayoutLM):
-    """`SDARMoeForCausalLM` weights; logits unshifted, attention block-causal (by the mask)."""
-
-    def __init__(self, arch: SDARMoeArch) -> None:
-        super().__init__()
-        self.arch = arch
-        self.model = _Backbone(arch)
-        if not arch.tie_word_embeddings:
-            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.head_dim = arch.head_dim
-        self.rope_theta = arch.rope_theta
-
-    @property
-    def block_size(self) -> int:
-        """The denoising block the checkpoint was trained with (config `block_size`)."""
-        return self.arch.block_size
+    @staticmethod
+    def make_layers(arch: SDARMoeArch) -> list[nn.Module]:
+        return [
+            SDARLayer(arch, SDARMoeSparseMoe(arch) if arch.is_sparse(i) else None)
+            for i in range(arch.num_hidden_layers)
+        ]
 
     def fuse_projections(self) -> None:
         """Fused q/k/v, stacked experts in sparse layers, fused gate/up in dense ones."""
