@@ -513,6 +513,7 @@ class TritonServerProcess:
                 waiting = [n for n in waiting if not http_ok(f"{base}/v2/models/{n}/ready")]
                 if not waiting:
                     self._record_stubs()
+                    self._forget_exited_stubs()
                     return
             time.sleep(0.5)
         raise TimeoutError(
@@ -566,6 +567,14 @@ class TritonServerProcess:
             cmd = cmdline(child)
             if cmd and cmd[0].endswith(STUB_NAME):
                 self._stubs[child] = cmd
+
+    def _forget_exited_stubs(self) -> None:
+        """Once every model is ready, drop the stubs that ended during loading: Triton runs a
+        short-lived stub per model for its config auto-complete, and the supervisor must not
+        take that one's exit for a dead model."""
+        self._stubs = {
+            pid: cmd for pid, cmd in self._stubs.items() if alive(pid) and cmdline(pid) == cmd
+        }
 
     def stub_pids(self) -> list[int]:
         """Stubs of this server still alive."""
