@@ -313,6 +313,15 @@ SETTINGS: tuple[Setting, ...] = (
         default_doc="`0` = `max_step_tokens` / 64, i.e. 1,024",
     ),
     Setting(
+        "encode_step_tokens",
+        "int",
+        8192,
+        "DiffusionGemma: prompt and finished-canvas tokens the encoder runs in a step at most, "
+        "one packed forward for all rows that have some; a longer prompt is encoded in chunks "
+        "over several steps while the running rows keep denoising (chunked prefill)",
+        minimum=1,
+    ),
+    Setting(
         "cuda_graphs",
         "bool",
         True,
@@ -384,6 +393,25 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=1,
     ),
     Setting(
+        "tensor_parallel_nodes",
+        "int",
+        1,
+        "hosts the `tensor_parallel_size` ranks span, size / nodes ranks (GPUs) each: the "
+        "engine's host runs ranks 0..size/nodes-1, every other host runs `dlm-triton tp-node "
+        "--leader HOST --node K` (ranks K*size/nodes onwards); must divide "
+        '`tensor_parallel_size` (docs/deployment.md, "Tensor parallel across hosts")',
+        minimum=1,
+    ),
+    Setting(
+        "tensor_parallel_port",
+        "int",
+        29500,
+        "with `tensor_parallel_nodes` > 1: the port of rank 0's store (on every interface) "
+        "that the other hosts' `tp-node` join; one engine per host then",
+        minimum=1,
+        maximum=65535,
+    ),
+    Setting(
         "expert_parallel",
         "bool",
         False,
@@ -415,12 +443,18 @@ def engine_fields(cls: type) -> type:
 
 def check_values(values: Any, where: str) -> None:
     """Every setting's value on ``values`` (an ``EngineConfig``) checked; ValueError
-    ``<where>.<name> must be ...`` at the first bad one."""
+    ``<where>.<name> must be ...`` at the first bad one, then the checks across settings."""
     for s in SETTINGS:
         try:
             s.check(getattr(values, s.name))
         except ValueError as exc:
             raise ValueError(f"{where}.{s.name} {exc}") from None
+    size, nodes = values.tensor_parallel_size, values.tensor_parallel_nodes
+    if size % nodes:
+        raise ValueError(
+            f"{where}.tensor_parallel_nodes {nodes} must divide tensor_parallel_size {size} "
+            "(each host runs tensor_parallel_size / tensor_parallel_nodes ranks)"
+        )
 
 
 def parse_parameters(params: Mapping[str, str]) -> dict[str, Any]:

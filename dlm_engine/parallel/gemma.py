@@ -146,9 +146,13 @@ class ParallelGemma(nn.Module):
         return [self.ids.of(cache), int(getattr(cache, "room", 0)), len(cache.keys)]
 
     @torch.no_grad()
-    def encode(self, ids: torch.Tensor, start: int, cache) -> None:
-        header = {"cmd": "gemma_encode", "start": int(start), "cache": self._cache_header(cache)}
-        self._call(header, [ids], lambda: self.local.encode(ids, start, cache))
+    def encode(self, spans: list) -> None:
+        header = {
+            "cmd": "gemma_encode",
+            "caches": [self._cache_header(cache) for _, cache in spans],
+        }
+        tensors = [ids for ids, _ in spans]
+        self._call(header, tensors, lambda: self.local.encode(spans))
 
     @torch.no_grad()
     def decode_hidden(self, canvas: torch.Tensor, soft: list, caches: list) -> torch.Tensor:
@@ -188,7 +192,8 @@ class GemmaWorker:
         for cid in header.get("drop", ()):
             self.caches.pop(cid, None)
         if header["cmd"] == "gemma_encode":
-            self.model.encode(tensors[0], header["start"], self._cache(header["cache"]))
+            caches = [self._cache(spec) for spec in header["caches"]]
+            self.model.encode(list(zip(tensors, caches, strict=True)))
             return
         if header["cmd"] != "gemma_decode":
             raise ValueError(f"unknown command {header['cmd']!r} for a DiffusionGemma worker")

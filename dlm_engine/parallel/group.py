@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-LOCALHOST = "127.0.0.1"  # every rank runs on this host (one engine, one machine's devices)
+LOCALHOST = "127.0.0.1"  # how the ranks on rank 0's host reach its store
 
 
 # How long a stop waits for the process group's teardown (see leave_group).
@@ -31,16 +31,23 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", (dev.index or 0) + rank)
 
 
-def host_store(world: int, timeout_s: float) -> dist.TCPStore:
-    """Rank 0's store on a free port of the loopback interface (`.port` tells the workers)."""
+def host_store(world: int, timeout_s: float, port: int = 0) -> dist.TCPStore:
+    """Rank 0's store on `port` (0: a free one; `.port` tells the workers). torch's store
+    server listens on every interface, which the ranks of other hosts need; its clients
+    (this process included) connect by address."""
     return dist.TCPStore(
-        LOCALHOST, 0, world, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        LOCALHOST, port, world, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
     )
 
 
-def join_store(port: int, world: int, timeout_s: float) -> dist.TCPStore:
-    """A worker's connection to rank 0's store."""
-    return dist.TCPStore(LOCALHOST, port, world, False, timeout=timedelta(seconds=timeout_s))
+def join_store(
+    port: int, world: int | None, timeout_s: float, host: str = LOCALHOST
+) -> dist.TCPStore:
+    """A connection to rank 0's store (a worker's, or a remote node's with `world` None); it
+    keeps retrying to connect for `timeout_s`, so it may start before rank 0 listens."""
+    return dist.TCPStore(
+        host, port, world, False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
 def init_group(

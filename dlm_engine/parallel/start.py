@@ -1,5 +1,7 @@
 """Starting a tensor-parallel engine: rank 0 resolves the checkpoint, starts the workers,
-joins the process group with them and loads its own shard while they load theirs."""
+joins the process group with them and loads its own shard while they load theirs. Over
+several hosts (`tensor_parallel_nodes`) it starts those of its own host, publishes the spec on
+its store and waits for every other host's node process (`node.py`) to start the rest."""
 
 from __future__ import annotations
 
@@ -18,14 +20,17 @@ from ..hub import resolve_checkpoint
 from ..loader import LoadedModel, load_checkpoint
 from ..models import Family, build_model, detect_family
 from .channel import Channel
-from .group import host_store, init_group, rank_device
+from .group import LOCALHOST, host_store, init_group, rank_device
 from .model import ParallelLM
 from .sharding import read_shard, rules_for, shard_model
-from .workers import WorkerSet
+from .workers import SPEC_KEY, WorkerSet
 
 # a collective (or the first load) waits this long for a silent peer before failing; a
 # worker that exits is reported at once (WorkerSet.check), this is the backstop
 TIMEOUT_S = 300.0
+# the other hosts' ranks may first download the checkpoint: rank 0 waits this long for them
+# to join the group once their node process has come (TIMEOUT_S) and found no error
+NODE_FETCH_TIMEOUT_S = 3600.0
 
 
 def check_supported(config: EngineConfig, raw: dict[str, Any], family: Family) -> None:
@@ -68,24 +73,31 @@ def shard_reader(world: int, rank: int, expert_parallel: bool = False):
 
 
 def load_rank(spec: dict[str, Any], rank: int, world: int) -> LoadedModel:
-    """Rank `rank`'s shard of the checkpoint at `spec["path"]` (a local folder)."""
-    device = rank_device(spec["device"], rank)
+    """Rank `rank`'s shard of the checkpoint at `spec["path"]` (a folder on this host), on
+    its host's `local_rank`-th device."""
+    device = rank_device(spec["device"], int(spec.get("local_rank", rank)))
     reader = shard_reader(world, rank, bool(spec.get("expert_parallel")))
     return load_checkpoint(spec["path"], spec["dtype"], str(device), weights=reader)
 
 
 def start_tensor_parallel(config: EngineConfig) -> LoadedModel:
-    """Rank 0's loaded model (a `ParallelLM` over its shard) with workers 1..N-1 running."""
-    world = int(config.tensor_parallel_size)
+    """Rank 0's loaded model (a `ParallelLM` over its shard) with workers 1..N-1 running
+    (those of other hosts under their node processes)."""
+    world, nodes = int(config.tensor_parallel_size), int(config.tensor_parallel_nodes)
     if str(config.model).startswith("random:"):
         raise ValueError("random checkpoints are not supported with tensor_parallel_size > 1")
     path = resolve_checkpoint(config.model, config.revision)  # once, before any worker reads
     raw = json.loads((path / "config.json").read_text())
     family = detect_family(raw)
     check_supported(config, raw, family)
-    store = host_store(world, TIMEOUT_S)
+    store = host_store(world, TIMEOUT_S, int(config.tensor_parallel_port) if nodes > 1 else 0)
     spec = {
         "path": str(path),
+        # what a node resolves on its own host (rank 0's folder may not exist there)
+        "model": str(config.model),
+        "revision": config.revision,
+        "nodes": nodes,
+        "host": LOCALHOST,  # a node process gives its workers rank 0's address instead
         "dtype": config.dtype,
         "device": config.device,
         "world": world,
@@ -97,9 +109,12 @@ def start_tensor_parallel(config: EngineConfig) -> LoadedModel:
         "fused_kernels": bool(config.fused_kernels),
         "expert_parallel": bool(config.expert_parallel),
     }
+    if nodes > 1:
+        store.set(SPEC_KEY, json.dumps(spec))
     workers = WorkerSet(spec, world, store)
     try:
-        workers.wait_joining(TIMEOUT_S)
+        workers.wait_nodes(TIMEOUT_S)
+        workers.wait_joining(TIMEOUT_S if nodes == 1 else max(TIMEOUT_S, NODE_FETCH_TIMEOUT_S))
         init_group(store, 0, world, rank_device(config.device, 0), TIMEOUT_S)
         loaded = load_rank(spec, 0, world)
         workers.wait_ready(TIMEOUT_S)

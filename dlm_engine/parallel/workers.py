@@ -1,5 +1,7 @@
-"""Worker ranks 1..N-1: rank 0 starts them, watches them and stops them; each loads its
-shard and runs rank 0's commands until told to stop or until rank 0 is gone.
+"""Worker ranks 1..N-1: rank 0 starts those of its host, watches them and stops them; each
+loads its shard and runs rank 0's commands until told to stop or until rank 0 is gone. With
+`tensor_parallel_nodes` > 1 the ranks of every other host are started there by a node process
+(`node.py`) with the same `WorkerSet`; rank 0 waits for them through its store.
 
 A worker dies with rank 0: it asks the kernel for SIGKILL when its parent thread ends
 (`PR_SET_PDEATHSIG`), and the workers are started from a keeper thread that lives until
@@ -22,6 +24,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,12 @@ log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 5.0
+# rank 0's store keys besides the channel's: the spec a node reads, a node's arrival, why a
+# node's rank is gone, and the group's stop
+SPEC_KEY = "spec"
+NODE_KEY = "node/{}"
+LOST_KEY = "lost"
+STOP_KEY = "stop"
 
 
 def _describe(rc: int) -> str:
@@ -43,10 +52,22 @@ def _describe(rc: int) -> str:
 
 
 class WorkerSet:
-    """The worker processes of one tensor-parallel engine, seen from rank 0."""
+    """The worker processes this process starts (rank 0: ranks 1.. of its host; a node
+    process: its host's ranks, with `leader` False), and rank 0's waits for all N-1 ranks."""
 
-    def __init__(self, spec: dict[str, Any], world: int, store) -> None:
+    def __init__(
+        self,
+        spec: dict[str, Any],
+        world: int,
+        store,
+        ranks: Sequence[int] | None = None,
+        leader: bool = True,
+    ) -> None:
         self.world = world
+        self.nodes = int(spec.get("nodes", 1))
+        self.per_node = world // self.nodes
+        self.ranks = list(range(1, self.per_node) if ranks is None else ranks)
+        self.leader = leader
         self.store = store
         self.procs: list[subprocess.Popen] = []
         self.stopped = False
@@ -58,7 +79,10 @@ class WorkerSet:
         )
         self._keeper.start()
         self._up.wait()
-        self._finalizer = weakref.finalize(self, _shut_down, self.procs, self.store)
+        # a node process never sets the group's stop: it stops its own workers by signal
+        self._finalizer = weakref.finalize(
+            self, _shut_down, self.procs, self.store if leader else None
+        )
         if self._error is not None:
             self.stop()
             raise self._error
@@ -67,8 +91,9 @@ class WorkerSet:
         """The workers' parent thread: start them, then live until `stop()`."""
         env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}  # idle store polls warn otherwise
         try:
-            for rank in range(1, self.world):
-                args = json.dumps({**spec, "rank": rank, "parent": os.getpid()})
+            for rank in self.ranks:
+                local = {"rank": rank, "local_rank": rank % self.per_node, "parent": os.getpid()}
+                args = json.dumps({**spec, **local})
                 cmd = [_python(), "-m", "dlm_engine.parallel.worker_main", args]
                 self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
         except BaseException as exc:  # noqa: BLE001 - handed to the constructor's thread
@@ -87,14 +112,47 @@ class WorkerSet:
 
         if self.stopped:
             raise TensorParallelError("the tensor-parallel workers were stopped")
-        for rank, p in enumerate(self.procs, start=1):
+        gone = self.gone()
+        if gone is not None:
+            raise TensorParallelError(
+                f"{gone}; this engine (tensor_parallel_size {self.world}) cannot run a forward "
+                "until it is restarted"
+            )
+        if self.leader and self.nodes > 1 and self.store.check([LOST_KEY]):
+            raise TensorParallelError(
+                f"{self.store.get(LOST_KEY).decode()}; this engine (tensor_parallel_size "
+                f"{self.world} over {self.nodes} nodes) cannot run a forward until it is restarted"
+            )
+
+    def gone(self) -> str | None:
+        """Which of the workers started here has exited, as text; None while all run."""
+        for rank, p in zip(self.ranks, self.procs, strict=False):
             rc = p.poll()
             if rc is not None:
-                raise TensorParallelError(
-                    f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with "
-                    f"{_describe(rc)}; this engine (tensor_parallel_size {self.world}) cannot "
-                    "run a forward until it is restarted"
+                return (
+                    f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with {_describe(rc)}"
                 )
+        return None
+
+    def node_ranks(self, node: int) -> str:
+        """Node `node`'s ranks, as text."""
+        return f"ranks {node * self.per_node}..{(node + 1) * self.per_node - 1}"
+
+    def wait_nodes(self, timeout_s: float) -> None:
+        """Wait until the node process of every other host has joined rank 0's store; a node
+        missing after `timeout_s` is an error naming it."""
+        deadline = time.monotonic() + timeout_s
+        for node in range(1, self.nodes):
+            while not self.store.check([NODE_KEY.format(node)]):
+                self.check()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"tensor-parallel node {node} of {self.nodes} ({self.node_ranks(node)}) "
+                        f"did not join within {timeout_s:g} s: run `dlm-triton tp-node --leader "
+                        f"<this host>:{self.store.port} --node {node}` on that host, and let it "
+                        f"reach port {self.store.port} here"
+                    )
+                time.sleep(0.05)
 
     def wait_joining(self, timeout_s: float) -> None:
         """Wait until every worker is about to join the process group, so that rank 0's own
@@ -110,7 +168,9 @@ class WorkerSet:
             while not self.store.check([key]):
                 self.check()
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"worker rank {rank} not ready after {timeout_s} s")
+                    node = rank // self.per_node
+                    where = f" (on tensor-parallel node {node})" if node else ""
+                    raise TimeoutError(f"worker rank {rank}{where} not {what} after {timeout_s} s")
                 time.sleep(0.05)
             status = self.store.get(key).decode()
             if status != "ok":
@@ -127,7 +187,8 @@ class WorkerSet:
 
 def _shut_down(procs: list[subprocess.Popen], store) -> None:
     """Stop and reap the workers, then leave the process group (also when the set is
-    dropped without `stop()`, e.g. an engine that failed to start, or at exit)."""
+    dropped without `stop()`, e.g. an engine that failed to start, or at exit); without a
+    `store` (a node process) the workers are stopped by SIGTERM instead of the group's stop."""
     from .group import leave_group
 
     _stop_procs(procs, store)
@@ -135,9 +196,15 @@ def _shut_down(procs: list[subprocess.Popen], store) -> None:
 
 
 def _stop_procs(procs: list[subprocess.Popen], store) -> None:
-    """Ask the workers to stop, then SIGKILL whoever is left after the grace period; reap all."""
+    """Ask the workers to stop (the group's stop key, or SIGTERM without a store), then
+    SIGKILL whoever is left after the grace period; reap all."""
+    if store is None:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
     with contextlib.suppress(Exception):  # the store may be gone; the kill below still works
-        store.set("stop", "1")
+        if store is not None:
+            store.set(STOP_KEY, "1")
     deadline = time.monotonic() + STOP_GRACE_S
     for p in procs:
         try:
@@ -176,9 +243,9 @@ def worker_main(spec: dict[str, Any]) -> int:
     _die_with_parent(parent)
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
-    store = join_store(int(spec["port"]), world, float(spec["timeout_s"]))
+    store = join_store(int(spec["port"]), world, float(spec["timeout_s"]), spec["host"])
     store.set(f"joining/{rank}", "ok")
-    device = rank_device(spec["device"], rank)
+    device = rank_device(spec["device"], int(spec["local_rank"]))
     if device.type == "cuda" and spec.get("fused_kernels"):  # as rank 0's ModelRunner does
         from ..models.common import FusedKernels
 
@@ -200,7 +267,7 @@ def worker_main(spec: dict[str, Any]) -> int:
 
     def alive() -> bool:
         try:
-            return os.getppid() == parent and not store.check(["stop"])
+            return os.getppid() == parent and not store.check([STOP_KEY])
         except Exception:  # noqa: BLE001 - rank 0's store is gone with rank 0
             return False
 

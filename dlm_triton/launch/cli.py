@@ -185,12 +185,53 @@ def _download_parser(sub: Any) -> None:
     p.add_argument("--revision", help="Hub branch, tag or commit (default: the model's, or main)")
 
 
+def _tp_node_parser(sub: Any) -> None:
+    """`python -m dlm_engine.parallel.node_main`'s flags (written here too: building this
+    parser must not import torch)."""
+    p = sub.add_parser(
+        "tp-node",
+        help="run this host's ranks of a tensor-parallel group whose rank 0 (`serve` with "
+        "tensor_parallel_nodes > 1) runs on another host",
+        formatter_class=_HelpFormatter,
+    )
+    port = settings.BY_NAME["tensor_parallel_port"].default
+    p.add_argument(
+        "--leader",
+        required=True,
+        metavar="HOST[:PORT]",
+        help=f"rank 0's host and its tensor_parallel_port (default port {port})",
+    )
+    p.add_argument(
+        "--node",
+        required=True,
+        type=int,
+        metavar="K",
+        help="this host's index, 1..tensor_parallel_nodes-1 (rank 0's host is node 0); it "
+        "runs ranks K*size/nodes .. (K+1)*size/nodes-1",
+    )
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="how long to wait for rank 0's store (rank 0 may still be downloading)",
+    )
+
+
+def tp_node(args: argparse.Namespace) -> int:
+    """This host's ranks, until rank 0's engine stops (dlm_engine/parallel/node.py)."""
+    from dlm_engine.parallel import node_main
+
+    return node_main.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlm-triton", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _generate_parser(sub)
     _download_parser(sub)
+    _tp_node_parser(sub)
     return parser
 
 
@@ -334,7 +375,8 @@ def generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return {"serve": serve, "generate": generate, "download": download}[args.command](args)
+    commands = {"serve": serve, "generate": generate, "download": download, "tp-node": tp_node}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -324,11 +324,20 @@ class TritonServerProcess:
         gpu = self.device.startswith("cuda")
         rel = "config.pbtxt" if gpu else f"configs/{model_repo.CPU_CONFIG_NAME}.pbtxt"
         tp_env = settings.BY_NAME["tensor_parallel_size"].env
+        nodes_env = settings.BY_NAME["tensor_parallel_nodes"].env
         placed: dict[str, list[int]] = {}
         visible = None
         for name in choice.names:
             params = model_repo.read_parameters(choice.repository / name / "config.pbtxt")
             tp = int(environ.get(tp_env) or params.get("tensor_parallel_size") or 1)
+            nodes = int(environ.get(nodes_env) or params.get("tensor_parallel_nodes") or 1)
+            if nodes > 1:  # this host runs rank 0's share; one engine (its store's port)
+                if dp not in (None, 1):
+                    raise ValueError(
+                        f"data_parallel_size {dp} with tensor_parallel_nodes {nodes}: a group "
+                        "that spans hosts runs one engine per host (scale with more groups)"
+                    )
+                tp, dp = max(1, tp // nodes), 1
             if gpu and (tp > 1 or dp is not None):
                 visible = visible_gpus() if visible is None else visible
                 placed[name] = model_repo.instance_gpus(visible, tp, dp)

@@ -121,3 +121,21 @@ def test_launcher_cpu_instances_only_when_asked(monkeypatch: pytest.MonkeyPatch)
         assert "count: 2, kind: KIND_CPU" in (server.choice.repository / rel).read_text()
     finally:
         server.stop()
+
+
+def test_launcher_places_one_engine_for_a_group_across_hosts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tensor_parallel_size 16 over 2 hosts: this host runs rank 0's 8 ranks, one engine."""
+    monkeypatch.setattr(launcher_mod, "visible_gpus", lambda: 8)
+    params = {"tensor_parallel_size": 16, "tensor_parallel_nodes": 2}
+    server = _launcher("cuda", engine_params=params)
+    server._place_instances(server.choice)
+    try:
+        assert server.placement == {"tiny-dlm": [0]}
+    finally:
+        server.stop()
+    monkeypatch.setenv("DLM_DATA_PARALLEL_SIZE", "2")
+    server = _launcher("cuda", engine_params=params)
+    with pytest.raises(ValueError, match="data_parallel_size 2 with tensor_parallel_nodes 2"):
+        server._place_instances(server.choice)
