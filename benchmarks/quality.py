@@ -8,6 +8,7 @@ forward. All requests of a setting go through the engine together, so it batches
 
     python benchmarks/quality.py                 # 600 prompts, table + docs/quality_tradeoff.png
     python benchmarks/quality.py --n 120 --no-plot
+    python benchmarks/quality.py --rephrased --n 120 --only k=1 --no-plot   # unseen wordings
 
 It records, it does not assert (tests/unit/test_tiny_dlm_quality.py does).
 """
@@ -273,6 +274,11 @@ def main(argv: list[str] | None = None) -> list[Result]:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--n", type=int, default=600, help="held-out prompts (tasks interleaved)")
+    p.add_argument(
+        "--rephrased",
+        action="store_true",
+        help="ask the held-out problems in wordings training never uses (tasks.REPHRASED_FORMS)",
+    )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-rows", type=int, default=100, help="engine rows per step")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
@@ -308,10 +314,10 @@ def main(argv: list[str] | None = None) -> list[Result]:
             max_queue=max(1024, args.n),
         )
     )
-    examples = tasks.heldout_examples(args.n)
+    examples = (tasks.rephrased_examples if args.rephrased else tasks.heldout_examples)(args.n)
     prompts = [engine.encode_prompt(messages=tasks.messages_for(e)) for e in examples]
     print(
-        f"{args.n} held-out prompts, model {args.model} ({engine.loaded.dtype}, {args.device}, "
+        f"{args.n} held-out prompts{' (rephrased)' if args.rephrased else ''}, model {args.model} ({engine.loaded.dtype}, {args.device}, "
         f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()})",
         flush=True,
     )

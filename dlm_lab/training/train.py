@@ -126,13 +126,15 @@ def make_batch(
     sp: Special,
     batch_size: int,
     block_len: int | None = None,
+    forms: tasks.Forms | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids [B,T] right-padded with EOS, prompt lengths [B], total lengths [B]).
 
     With `block_len` (block diffusion) the EOS padding ends at a block boundary (the engine
-    stops after the block holding the end of turn) and T is a multiple of the block."""
+    stops after the block holding the end of turn) and T is a multiple of the block.
+    Questions are asked in `forms` (default: tasks.CANONICAL_FORMS)."""
     align = math.lcm(8, block_len or 8)
-    exs = [tasks.sample(rng, "train") for _ in range(batch_size)]
+    exs = [tasks.sample(rng, "train", forms=forms) for _ in range(batch_size)]
     texts = [
         tok.apply_chat_template(tasks.messages_for(e), add_generation_prompt=True, tokenize=False)
         for e in exs
@@ -161,10 +163,16 @@ class BatchStream(IterableDataset):
     """Endless training batches; each worker draws from its own seeded generator."""
 
     def __init__(
-        self, tok_dir: str, sp: Special, batch_size: int, seed: int, block_len: int | None
+        self,
+        tok_dir: str,
+        sp: Special,
+        batch_size: int,
+        seed: int,
+        block_len: int | None,
+        forms: tasks.Forms | None = None,
     ) -> None:
         self.tok_dir, self.sp, self.batch_size, self.seed = tok_dir, sp, batch_size, seed
-        self.block_len = block_len
+        self.block_len, self.forms = block_len, forms
 
     def __iter__(self):
         info = get_worker_info()
@@ -172,7 +180,7 @@ class BatchStream(IterableDataset):
         rng = random.Random(self.seed * 1_000_003 + worker)
         tok = AutoTokenizer.from_pretrained(self.tok_dir, trust_remote_code=False)
         while True:
-            yield make_batch(rng, tok, self.sp, self.batch_size, self.block_len)
+            yield make_batch(rng, tok, self.sp, self.batch_size, self.block_len, self.forms)
 
 
 def init_weights(model: nn.Module, n_layers: int) -> None:
@@ -364,6 +372,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--evals", type=int, default=4, help="evaluations during the run")
     p.add_argument("--init", default=None, help="start from this checkpoint's weights")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    p.add_argument(
+        "--forms",
+        choices=["canonical", "varied"],
+        default="canonical",
+        help="question wordings: canonical (tasks.CANONICAL_FORMS, as tiny-dlm was trained) "
+        "or varied (tasks.TRAIN_FORMS: canonical plus EXTRA_TRAIN_FORMS); never the held-out "
+        "tasks.REPHRASED_FORMS",
+    )
     return p.parse_args(argv)
 
 
@@ -435,7 +451,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fused=amp,
     )
     heldout = tasks.heldout_examples(args.eval_n)
-    stream = BatchStream(str(tok_dir), sp, args.batch_size, args.seed, block)
+    rephrased = tasks.rephrased_examples(min(args.eval_n, 120))
+    forms = tasks.TRAIN_FORMS if args.forms == "varied" else tasks.CANONICAL_FORMS
+    stream = BatchStream(str(tok_dir), sp, args.batch_size, args.seed, block, forms)
     loader = DataLoader(
         stream,
         batch_size=None,
@@ -505,9 +523,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.evals > 1 and frac >= next_eval / args.evals and next_eval < args.evals:
             next_eval += 1
             acc = evaluate(model, tok, sp, heldout[:240], amp=amp, block=block)
-            evals.append({"step": step, "minutes": (time.time() - t0) / 60, "acc": acc})
+            reph = evaluate(model, tok, sp, rephrased, amp=amp, block=block)
+            evals.append(
+                {"step": step, "minutes": (time.time() - t0) / 60, "acc": acc, "rephrased": reph}
+            )
             print(
-                f"\nstep {step} loss {float(loss):.4f} held-out acc {json.dumps(acc)}", flush=True
+                f"\nstep {step} loss {float(loss):.4f} held-out acc {json.dumps(acc)} "
+                f"rephrased {reph['all']:.3f}",
+                flush=True,
             )
     bar.close()
     train_s = time.time() - t0
@@ -517,6 +540,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             model, tok, sp, heldout, CANVAS_EVAL, k, amp, block=block
         )
     final["canvas64_k1"] = evaluate(model, tok, sp, heldout, CANVAS_MAX, 1, amp, block=block)
+    final["rephrased_canvas32_k1"] = evaluate(model, tok, sp, rephrased, amp=amp, block=block)
     summary = {
         "params": n_params,
         "device": torch.cuda.get_device_name(dev) if amp else "cpu",
