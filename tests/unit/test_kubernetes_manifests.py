@@ -37,6 +37,7 @@ CUSTOM_KINDS = {
     ("keda.sh/v1alpha1", "ScaledObject"),
     ("serving.kserve.io/v1alpha1", "ServingRuntime"),
     ("serving.kserve.io/v1beta1", "InferenceService"),
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
 }
 EIGHT_B_LOAD_S = 15 * 60  # loading (or downloading) an 8B checkpoint: the startup probe's floor
 
@@ -124,11 +125,15 @@ def prestop_sleep_s(container: dict[str, Any]) -> int:
 
 
 def triton_pods(objs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(pod spec, container) of every Triton: the plain Deployment, or KServe's predictor built
-    from the ServingRuntime's container and the InferenceService's pod fields."""
+    """(pod spec, container) of every Triton: the plain Deployment, a LeaderWorkerSet's leader,
+    or KServe's predictor built from the ServingRuntime's container and the InferenceService's
+    pod fields."""
     pods = []
     for dep in find(objs, "Deployment", "dlm-triton"):
         spec = dep["spec"]["template"]["spec"]
+        pods.append((spec, spec["containers"][0]))
+    for lws in find(objs, "LeaderWorkerSet"):
+        spec = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]
         pods.append((spec, spec["containers"][0]))
     for isvc in find(objs, "InferenceService"):
         predictor = isvc["spec"]["predictor"]
@@ -209,11 +214,13 @@ def test_triton_pods_have_probes_shm_gpu_and_a_safe_security_context(
 
 def test_gpu_request_is_tensor_times_data_parallel(objs: list[dict[str, Any]]) -> None:
     """A pod reserves exactly the GPUs its replicas' ranks use: tensor x data parallel (the
-    launcher fills the pod with groups when data parallel is not set)."""
+    launcher fills the pod with groups when data parallel is not set); a group over several
+    nodes puts tensor_parallel_size / tensor_parallel_nodes ranks on each."""
     for _, c in triton_pods(objs):
         env = env_of(objs, c)
         gpus = int(c["resources"]["limits"]["nvidia.com/gpu"])
-        tp = int(env.get("DLM_TENSOR_PARALLEL_SIZE") or 1)
+        nodes = int(env.get("DLM_TENSOR_PARALLEL_NODES") or 1)
+        tp = int(env.get("DLM_TENSOR_PARALLEL_SIZE") or 1) // nodes
         dp = env.get("DLM_DATA_PARALLEL_SIZE")
         assert model_repo.instance_gpus(gpus, tp, int(dp) if dp else None)  # it fits
         if dp:
@@ -229,6 +236,66 @@ def test_parallel_overlay_places_two_tp2_replicas() -> None:
     assert env["DLM_EXPERT_PARALLEL"] == "true"
     tp, dp = int(env["DLM_TENSOR_PARALLEL_SIZE"]), int(env["DLM_DATA_PARALLEL_SIZE"])
     assert model_repo.instance_gpus(4, tp, dp) == [0, 2]
+
+
+def test_multi_node_overlay_runs_one_group_over_leader_and_worker_pods() -> None:
+    """LLaDA2-flash at tensor_parallel_size 16 over 2 nodes: a LeaderWorkerSet whose size is
+    the node count, 8 GPUs a pod, the group recreated as a whole, workers started with the
+    leader; the worker pod's command is `dlm-triton tp-node` pointed at the leader's store port
+    (which the leader exposes), and only the leaders are behind the Service."""
+    from dlm_engine import EngineConfig
+    from dlm_engine.parallel.node import parse_leader
+
+    objs = render("overlays/llada2-flash-tp16-2nodes")
+    assert not find(objs, "Deployment", "dlm-triton")  # replaced by the LeaderWorkerSet
+    lws = one(objs, "LeaderWorkerSet", "dlm-triton")
+    group = lws["spec"]["leaderWorkerTemplate"]
+    leader, worker = group["leaderTemplate"], group["workerTemplate"]
+    lc, wc = leader["spec"]["containers"][0], worker["spec"]["containers"][0]
+    env = env_of(objs, lc)
+    assert env_of(objs, wc) == env  # the same settings and NCCL environment on every node
+    tp, nodes = int(env["DLM_TENSOR_PARALLEL_SIZE"]), int(env["DLM_TENSOR_PARALLEL_NODES"])
+    port = int(env["DLM_TENSOR_PARALLEL_PORT"])
+    assert (env["DLM_MODEL"], tp, nodes) == ("llada2-flash", 16, 2)
+    assert env["NCCL_SOCKET_IFNAME"]
+    EngineConfig(  # the engine accepts the combination
+        model="x", tensor_parallel_size=tp, tensor_parallel_nodes=nodes, tensor_parallel_port=port
+    )
+    assert group["size"] == nodes
+    assert group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert lws["spec"].get("startupPolicy", "LeaderCreated") == "LeaderCreated"  # no deadlock
+    for c in (lc, wc):
+        res = c["resources"]
+        assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == tp // nodes
+        assert "/dev/shm" in {m["mountPath"] for m in c["volumeMounts"]}
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert port in {p["containerPort"] for p in lc["ports"]}
+    assert model_repo.instance_gpus(tp // nodes, tp // nodes, 1) == [0]  # one engine a leader
+    # The worker pod: `dlm-triton tp-node`, with the variables LWS injects into every pod.
+    assert wc["command"][-2:] == ["dlm-triton", "tp-node"]
+    lws_env = {**env, "LWS_LEADER_ADDRESS": "dlm-triton-0.dlm-triton.dlm", "LWS_WORKER_INDEX": "1"}
+    args = cli.build_parser().parse_args(["tp-node", *(expand(a, lws_env) for a in wc["args"])])
+    assert parse_leader(args.leader) == ("dlm-triton-0.dlm-triton.dlm", port)
+    assert args.node == 1
+    # the node outwaits the leader's startup (download, load): the leader's probe, not the
+    # node giving up first, is what restarts a group that never comes up
+    start = lc["startupProbe"]
+    assert args.wait >= start["periodSeconds"] * start["failureThreshold"]
+    # Only leaders serve: the Service selects them, never a worker pod.
+    selector = one(objs, "Service", "dlm-triton")["spec"]["selector"].items()
+    assert all(leader["metadata"]["labels"].get(k) == v for k, v in selector)
+    assert not all(worker["metadata"]["labels"].get(k) == v for k, v in selector)
+    # The group's pods reach each other on every port (the store, NCCL's own ports).
+    lws_pods = {"leaderworkerset.sigs.k8s.io/name": lws["metadata"]["name"]}
+    assert any(
+        pol["spec"]["podSelector"].get("matchLabels") == lws_pods
+        and any(
+            "ports" not in rule
+            and any(f.get("podSelector", {}).get("matchLabels") == lws_pods for f in rule["from"])
+            for rule in pol["spec"]["ingress"]
+        )
+        for pol in find(objs, "NetworkPolicy")
+    )
 
 
 def test_triton_args_are_launcher_flags(objs: list[dict[str, Any]]) -> None:
