@@ -182,8 +182,9 @@ class Sequence:
             return 1.0  # every masked position of the canvas is committed now
         return self._dream_schedule.origin_probability(self.step_in_block)
 
-    def absorb(self, window_tokens: list[int]) -> None:
-        """Take the step's committed window into the host mirror and advance the schedule."""
+    def absorb(self, window_tokens: list[int] | None) -> None:
+        """Take the step's committed window into the host mirror and advance the schedule
+        (None: a DiffusionGemma row that only encoded this step)."""
         if self.params.uniform is not None:
             self._absorb_canvas(window_tokens)
             return
@@ -217,9 +218,12 @@ class Sequence:
             self.step_in_block = 0
             self.masks_in_block = self.window_width
 
-    def _absorb_canvas(self, canvas: list[int]) -> None:
+    def _absorb_canvas(self, canvas: list[int] | None) -> None:
         """DiffusionGemma (decoding/uniform_diffusion.py): a step commits nothing until a
-        canvas ends, then the whole canvas at once (cut at `max_tokens`)."""
+        canvas ends, then the whole canvas at once (cut at `max_tokens`); None: the row only
+        encoded this step (a chunk of its prompt), no denoising step counted."""
+        if canvas is None:
+            return
         self.forwards += 1
         if canvas:
             start = self.block * len(canvas)

@@ -1,9 +1,11 @@
 """The engine's runner for DiffusionGemma rows: the `ModelRunner` surface the engine uses,
 over `decoding/uniform_diffusion.py`'s per-row state.
 
-Each step every running row takes one denoising step (a row whose canvas starts first
-encodes its prompt or its last canvas); a row's window is empty until its canvas ends, then
-it is that whole canvas, which `Sequence` takes into its host mirror. Rows keep their own
+Each step, what rows have to encode (new rows' prompts, finished canvases) runs as one packed
+encoder forward of at most `encode_step_tokens` tokens (a longer prompt in chunks over
+several steps), then every row with nothing left to encode takes one denoising step; a row's
+window is empty until its canvas ends, then it is that whole canvas, which `Sequence` takes
+into its host mirror, and None in a step where the row only encoded. Rows keep their own
 encoder caches as plain tensors (no page pool). On the GPU the decoder step is replayed
 from a CUDA graph while the batch and its caches stay the same (`DecodeGraph`). A row with structured output or a required
 tool call gets its canvases constrained as they end (`decoding/uniform_constraints.py`); a row
@@ -18,15 +20,16 @@ from typing import Any
 import torch
 
 from .decoding.uniform_constraints import CanvasConstraint
-from .decoding.uniform_diffusion import UniformRow, step_rows
+from .decoding.uniform_diffusion import UniformRow, denoise_rows, encode_rows
 from .loader import LoadedModel
 from .models.diffusion_gemma import DecodeGraph
 from .sequence import Sequence
 
 
 class UniformRunner:
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, encode_step_tokens: int | None = None) -> None:
         self.model = loaded.model
+        self.encode_step_tokens = encode_step_tokens  # the encoder's budget a step (None: all)
         self.device = loaded.device
         self.shift = 0
         self.model_vocab = int(self.model.vocab_size)
@@ -38,6 +41,8 @@ class UniformRunner:
         self.block_pages = None
         self.prefix_cache = None
         self.forward_passes = 0
+        self.encoder_forwards = 0  # packed encoder forwards run (at most one a step)
+        self.encoded_tokens = 0
         # the decoder step from a CUDA graph while the batch's caches stay the same (not for a
         # model whose calls first send commands to other ranks: dlm_engine/parallel/gemma.py)
         graphs = self.device.type == "cuda" and getattr(self.model, "graph_steps", True)
@@ -100,17 +105,24 @@ class UniformRunner:
             )
         return row
 
-    def step(self, seqs: list[Sequence], look_ahead: bool = True) -> list[list[int]]:
-        """One denoising step for every row; each row's finished canvas, or []."""
+    def step(self, seqs: list[Sequence], look_ahead: bool = True) -> list[list[int] | None]:
+        """One step for every row: each row's finished canvas, [] while it goes on, or None
+        where the row only encoded (no denoising step)."""
         self.failed_rows = {}
         rows = [self._row(s) for s in seqs]
         self.forward_passes += 1
-        windows = [c or [] for c in step_rows(self.model, rows, self.decode_graph)]
-        for i, (seq, row, window) in enumerate(zip(seqs, rows, windows, strict=True)):
+        before = [row.forwards for row in rows]
+        encoded = encode_rows(self.model, rows, self.encode_step_tokens)
+        self.encoder_forwards += encoded > 0
+        self.encoded_tokens += encoded
+        canvases = denoise_rows(self.model, rows, self.decode_graph)
+        windows: list[list[int] | None] = []
+        for i, (seq, row, canvas) in enumerate(zip(seqs, rows, canvases, strict=True)):
+            windows.append(canvas or ([] if row.forwards > before[i] else None))
             if row.failure is not None:
                 self.failed_rows[i] = row.failure
                 continue
-            if window and row.logprobs is not None:  # by canvas position, as Sequence keeps
+            if canvas and row.logprobs is not None:  # by canvas position, as Sequence keeps
                 start = (row.canvases_done - 1) * self.canvas_length
                 for k, entry in enumerate(row.canvas_logprobs):
                     if start + k < seq.params.max_tokens:

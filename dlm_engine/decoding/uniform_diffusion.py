@@ -16,6 +16,12 @@ after `torch.manual_seed(seed)`: per canvas one `randint` for the initial canvas
 step one `multinomial` over the canvas and one `randint` for renoising (also on the step that
 ends the canvas). So a row's tokens do not depend on what else runs in its batch.
 
+What rows have to encode (prompts, finished canvases) goes through the encoder as one packed
+forward a step, under a token budget (`encode_rows`): a row whose prompt is longer than the
+budget is encoded in chunks over several steps while the other rows keep denoising, and
+starts its first canvas once all of it is in its cache. Encoding draws nothing, so when a
+row's tokens are encoded never changes its draws.
+
 A row with structured output (`uniform_constraints.py`) returns, instead of its argmax canvas,
 the grammar-constrained argmax of the same last-step logits; its draws are unchanged. A row
 with `logit_bias` adds it to each step's logits before anything reads them, as a
@@ -113,7 +119,8 @@ class UniformRow:
         else:
             self.generator.manual_seed(seed)
         self.cache = RowCache(n_layers, room=canvas_length)
-        self.to_encode: torch.Tensor | None = prompt  # the prompt, then each finished canvas
+        # what is left to encode: the prompt, then each finished canvas (None: nothing)
+        self.to_encode: torch.Tensor | None = prompt if prompt.numel() else None
         self.current: torch.Tensor | None = None  # the canvas fed to the next step [1, L]
         self.argmax: torch.Tensor | None = None
         # the self-conditioning input: the last step's soft embeddings [1, L, H], not its
@@ -137,11 +144,22 @@ class UniformRow:
             device=self.generator.device,
         )
 
-    def start_canvas(self, model: DiffusionGemmaModel) -> None:
-        """Encode what is pending and draw the new canvas."""
+    @property
+    def encoding(self) -> bool:
+        """Tokens are left to encode (its prompt, or its last canvas): the row does not
+        denoise until they are all in its cache."""
+        return self.to_encode is not None
+
+    def take_span(self, most: int) -> torch.Tensor:
+        """The next at most `most` tokens to encode, taken off what is left (`encode_rows`)."""
         assert self.to_encode is not None
-        model.encode(self.to_encode, self.cache.length, self.cache)
-        self.to_encode = None
+        span, rest = self.to_encode[:most], self.to_encode[most:]
+        self.to_encode = rest if rest.numel() else None
+        return span
+
+    def start_canvas(self) -> None:
+        """Draw the new canvas (everything before it is encoded)."""
+        assert self.to_encode is None
         self.current = self._random_canvas()
         self.argmax = self.current
         self.soft = None
@@ -216,6 +234,7 @@ class UniformRow:
             )
         self.canvases_done += 1
         self.to_encode = canvas[0]
+        self.current = None  # the next canvas is drawn once this one is encoded
         if self.canvases_done >= self.settings.canvases or bool(
             torch.isin(canvas, self.stop_ids).any()
         ):
@@ -240,26 +259,68 @@ def canvas_logprobs(
     return out
 
 
+def encode_rows(
+    model: DiffusionGemmaModel, rows: list[UniformRow], budget: int | None = None
+) -> int:
+    """Encode what the rows have pending in one packed encoder forward (`model.encode`) of
+    at most `budget` tokens (None: no limit): finished canvases of rows already denoising
+    first (they wait on it to go on), then prompts in row order (arrival order). A span that
+    does not fit is cut; its rest waits for the next step, so a long prompt is encoded in
+    chunks while the other rows keep denoising. Returns the tokens encoded (0: no forward)."""
+    pending = [r for r in rows if r.encoding]
+    pending.sort(key=lambda r: r.canvases_done == 0)  # stable: canvases, then prompts
+    left = budget if budget is not None else sum(r.to_encode.numel() for r in pending)
+    spans = []
+    for row in pending:
+        if left <= 0:
+            break
+        span = row.take_span(left)
+        left -= span.numel()
+        spans.append((span, row.cache))
+    if spans:
+        model.encode(spans)
+    return sum(span.numel() for span, _ in spans)
+
+
 def step_rows(
+    model: DiffusionGemmaModel,
+    rows: list[UniformRow],
+    decode: Callable | None = None,
+    encode_budget: int | None = None,
+) -> list[list[int] | None]:
+    """One step for every row: `encode_rows` (at most `encode_budget` tokens), then
+    `denoise_rows`."""
+    encode_rows(model, rows, encode_budget)
+    return denoise_rows(model, rows, decode)
+
+
+def denoise_rows(
     model: DiffusionGemmaModel, rows: list[UniformRow], decode: Callable | None = None
 ) -> list[list[int] | None]:
-    """One denoising step for every row: encode where a canvas starts, one decoder forward
-    over all canvases (`decode`, e.g. a `DecodeGraph`; the model's `decode_hidden` if None),
-    then each row samples, accepts and renoises with its own generator."""
-    for row in rows:
-        if row.current is None or row.to_encode is not None:
-            row.start_canvas(model)
+    """One denoising step for every row with nothing left to encode: a new canvas where the
+    last one ended, one decoder forward over all their canvases (`decode`, e.g. a
+    `DecodeGraph`; the model's `decode_hidden` if None), then each row samples, accepts and
+    renoises with its own generator. Per row: its finished canvas, or None (the canvas goes
+    on, or the row is still encoding and did not denoise)."""
+    live = [row for row in rows if not row.encoding]
+    for row in live:
+        if row.current is None:
+            row.start_canvas()
+    if not live:
+        return [None] * len(rows)
     hidden = (decode or model.decode_hidden)(
-        torch.cat([r.current for r in rows]), [r.soft for r in rows], [r.cache for r in rows]
+        torch.cat([r.current for r in live]), [r.soft for r in live], [r.cache for r in live]
     )
     # each row's logits alone (L x V float32 each), sampled from and dropped
-    verdicts = [row.absorb(model.head(hidden[i : i + 1]), model) for i, row in enumerate(rows)]
+    verdicts = [row.absorb(model.head(hidden[i : i + 1]), model) for i, row in enumerate(live)]
     # one wait on the device per step, for every row's adaptive-stopping verdict
     pending = [v for v in verdicts if v is not None]
     stopped = iter(torch.stack(pending).tolist() if pending else [])
-    return [
-        row.end_step(v is not None and next(stopped)) for row, v in zip(rows, verdicts, strict=True)
-    ]
+    ended = {
+        id(row): row.end_step(v is not None and next(stopped))
+        for row, v in zip(live, verdicts, strict=True)
+    }
+    return [ended.get(id(row)) for row in rows]
 
 
 def generate(

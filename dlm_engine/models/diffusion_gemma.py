@@ -438,6 +438,20 @@ class _Backbone(nn.Module):
         self.decoder = _Decoder(a)
 
 
+def _encoder_mask(
+    start: int, t: int, keys: int, shape: LayerShape, a: DiffusionGemmaArch, device
+) -> torch.Tensor:
+    """Which of a row's `keys` cached-then-fresh keys (the last at position start + t - 1)
+    each of its `t` queries from position `start` sees: causal, and within the sliding
+    window on sliding layers. [t, keys] bool."""
+    pos = torch.arange(start, start + t, device=device)
+    kpos = torch.arange(start + t - keys, start + t, device=device)
+    mask = kpos[None, :] <= pos[:, None]
+    if shape.sliding:
+        mask &= kpos[None, :] > pos[:, None] - a.sliding_window
+    return mask
+
+
 _CACHE_VERSIONS = itertools.count()
 
 
@@ -530,40 +544,62 @@ class DiffusionGemmaModel(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @torch.no_grad()
-    def encode(self, ids: torch.Tensor, start: int, cache: RowCache) -> None:
-        """Run the encoder over `ids` [T] at positions start.. and append their keys and
-        values to `cache` (causal; sliding layers within their window)."""
+    def encode(self, spans: list[tuple[torch.Tensor, RowCache]]) -> None:
+        """One encoder forward over several rows' spans: each `ids` [T] at positions
+        `cache.length`.. appended to its row's `cache` (causal; sliding layers within their
+        window). The spans are packed into one sequence, so every weight is read once for all
+        rows and only attention works per row, over its own cache and span. A span may be any
+        front part of what a row has left to encode: a prompt encoded in chunks over several
+        calls leaves the keys and values one call over the whole prompt leaves (the sliding
+        layers' `sliding_window - 1` kept keys are all an earlier position's query sees)."""
         a = self.arch
+        ids = torch.cat([ids for ids, _ in spans]) if len(spans) > 1 else spans[0][0]
+        device = ids.device
+        rows, off = [], 0  # per span: its cache, first position, length, packed offset
+        for span, cache in spans:
+            t = int(span.shape[0])
+            rows.append((cache, cache.length, t, off))
+            off += t
         x = self._embed(ids[None])
-        t = ids.shape[0]
-        pos = torch.arange(start, start + t, device=ids.device)
+        n = ids.shape[0]
+        pos = torch.cat([torch.arange(s, s + t, device=device) for _, s, t, _ in rows])
         last = len(self._decoder.layers) - 1
         ropes: dict[LayerShape, tuple[torch.Tensor, torch.Tensor]] = {}
+        masks: dict[tuple[int, bool, int], torch.Tensor] = {}  # the same for each layer kind
         for i, layer in enumerate(self._decoder.layers):
             shape = layer.self_attn.shape
             if shape not in ropes:
                 ropes[shape] = self._rope(shape, pos[None], x.dtype)
             cos, sin = ropes[shape]
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
-            old_k, old_v = cache.layer(i)
-            if old_k is not None:
-                k_all, v_all = torch.cat([old_k, k[0]], 1), torch.cat([old_v, v[0]], 1)
-            else:
-                k_all, v_all = k[0], v[0]
-            # sliding layers keep their last window - 1 positions (all of them if fewer)
-            drop = max(0, k_all.shape[1] - (a.sliding_window - 1)) if shape.sliding else 0
-            cache.store(i, k_all[:, drop:], v_all[:, drop:])
+            outs = []
+            for r, (cache, start, t, off) in enumerate(rows):
+                k_new, v_new = k[0, :, off : off + t], v[0, :, off : off + t]
+                old_k, old_v = cache.layer(i)
+                if old_k is not None:
+                    k_all, v_all = torch.cat([old_k, k_new], 1), torch.cat([old_v, v_new], 1)
+                else:
+                    k_all, v_all = k_new, v_new
+                # sliding layers keep their last window - 1 positions (all of them if fewer)
+                drop = max(0, k_all.shape[1] - (a.sliding_window - 1)) if shape.sliding else 0
+                cache.store(i, k_all[:, drop:], v_all[:, drop:])
+                if i < last:  # the last layer's output feeds nothing: only its keys are kept
+                    key = (r, shape.sliding, k_all.shape[1])
+                    if key not in masks:
+                        masks[key] = _encoder_mask(start, t, k_all.shape[1], shape, a, device)
+                    outs.append(
+                        layer.self_attn.attend(
+                            q[:, :, off : off + t], k_all[None], v_all[None], masks[key]
+                        )
+                    )
             if i == last:
-                break  # the last layer's output feeds nothing: only its keys are kept
-            kpos = torch.arange(start + t - k_all.shape[1], start + t, device=ids.device)
-            mask = kpos[None, :] <= pos[:, None]
-            if shape.sliding:
-                mask &= kpos[None, :] > pos[:, None] - a.sliding_window
-            attn = layer.self_attn.attend(q, k_all[None], v_all[None], mask)
-            attn = attn.transpose(1, 2).reshape(1, t, -1)
+                break
+            attn = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+            attn = attn.transpose(1, 2).reshape(1, n, -1)
             scalar = self.model.encoder.language_model.layers[i].layer_scalar
             x = layer.feed_forward(x, attn, scalar)
-        cache.length = start + t
+        for cache, start, t, _ in rows:
+            cache.length = start + t
 
     def soft_embedding(self, probs: torch.Tensor) -> torch.Tensor:
         """A step's self-conditioning signal for the next step, from the float32 softmax of its
