@@ -6,7 +6,8 @@ torch.distributed (gloo on CPU, NCCL on CUDA) and rank 0 alone ends with full lo
 (row-parallel linear, vocabulary-parallel head), `group.py` (process group), `channel.py`
 (rank 0's commands), `workers.py` (worker processes), `model.py` (rank 0's `ParallelLM`,
 the workers' command loop), `graphs.py` (CUDA graphs captured and replayed on every rank),
-`gemma.py` (DiffusionGemma under expert parallel), `start.py` (bringing it all up).
+`gemma.py` (DiffusionGemma under expert parallel), `start.py` (bringing it all up),
+`node.py` (another host's ranks when the group spans hosts).
 """
 
 from .model import ParallelLM, TensorParallelError

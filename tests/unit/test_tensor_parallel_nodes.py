@@ -8,6 +8,7 @@ and settings that do not fit are clear errors naming what is wrong.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -56,6 +57,12 @@ def children(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").glob("*/children"):
         found += [int(c) for c in task.read_text().split()]
     return found
+
+
+def rank_of(pid: int) -> int:
+    """A worker process's rank, from the spec on its command line."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return int(json.loads(argv[argv.index(b"dlm_engine.parallel.worker_main") + 1])["rank"])
 
 
 def alive(pid: int) -> bool:
@@ -114,7 +121,8 @@ def test_tp4_over_two_nodes_equals_one_process_and_the_node_exits_after(llada) -
         try:
             assert model.workers.ranks == [1]  # ranks 2 and 3 run under the node
             remote = children(node.pid)
-            assert len(remote) == 2 and all(alive(p) for p in remote)
+            assert sorted(rank_of(p) for p in remote) == [2, 3]
+            assert all(alive(p) for p in remote)
             assert _tokens(engine, rows) == want
         finally:
             model.close()
@@ -140,7 +148,7 @@ def test_a_dead_rank_on_the_node_is_named_at_rank_0(llada) -> None:
         engine = Engine(two_node_config(llada, port))
         model = engine.runner.model
         try:
-            victim = min(children(node.pid))  # rank 2 started first
+            [victim] = [p for p in children(node.pid) if rank_of(p) == 2]
             os.kill(victim, signal.SIGKILL)
             assert node.wait(timeout=30) == 1  # the node reports it, stops rank 3 and exits
             with pytest.raises(
