@@ -3,7 +3,8 @@ tok/s, TTFT, and the bf16 weight-read floor of a step.
 
     python benchmarks/gpu_bench_gemma.py [--batches 1,8,32] [--prompt 4096] [--output 512]
         [--steps 16] [--baseline out/gemma_base/diffusion_gemma.py] [--out FILE]
-    python benchmarks/gpu_bench_gemma.py --tiny      # CPU, the tiny test checkpoint
+    python benchmarks/gpu_bench_gemma.py --tiny --batches 1,32 --prompt 512 --output 64
+        # CPU, the tiny test checkpoint
 
 The model is the published google/diffusiongemma-26B-A4B-it text architecture
 (`presets.py`) with random bf16 weights, built on the meta device and materialised straight
@@ -18,9 +19,14 @@ Figures per batch:
   every row), `forward_ms` its decoder forward (CUDA events), the rest is the per-row head,
   sampler and self-conditioning;
 - `ttft_ms`: from adding the requests to each one's first streamed tokens (its first canvas),
-  median over requests;
+  median over requests (`ttft_max_ms` the last request's);
+- `first_step_encoder_forwards`, `first_step_encoded_rows`: the encoder forwards of the step
+  that admits the batch and the rows they encode (prompts of rows admitted together are
+  packed into one forward of at most `encode_step_tokens` tokens, `--encode-step-tokens`;
+  longer prompts go on in chunks over the next steps); `encoder_forwards` over the run;
 - `decode_tok_s`: output tokens / (end-to-end time - prompt encoding time); finished canvases
-  re-encoded between canvases count as decode time;
+  re-encoded between canvases count as decode time (a forward encoding both prompt chunks and
+  canvases is split between them by tokens);
 - `output_tok_s`: output tokens / end-to-end time;
 - `compute_floor_ms`: the step's matrix-product FLOPs (`step_tflop`, second canvas) at the
   H100's dense bf16 peak (989 TFLOP/s); `achieved_tflop_s` what the measured step did;
@@ -147,26 +153,31 @@ def step_flops(model: torch.nn.Module, batch: int, cache: int) -> float:
 
 
 class Timers:
-    """Wall time of the encoder calls (prompt vs finished canvas), installed on the model
-    instance, and CUDA-event time of the decoder steps (`timed`, around the runner's)."""
+    """Wall time of the encoder forwards (split between prompt and finished-canvas tokens),
+    installed on the model instance, and CUDA-event time of the decoder steps (`timed`,
+    around the runner's)."""
 
     def __init__(self, model: Any, cuda: bool) -> None:
         self.model, self.cuda = model, cuda
         self.prompt_s = 0.0
         self.canvas_encode_s = 0.0
         self.forward_events: list[tuple[Any, Any]] = []
+        self.encodes: list[int] = []  # rows (spans) of each encoder forward
+        self.runner: Any = None  # the engine's UniformRunner: which spans are prompts
         encode = model.encode
 
-        def timed_encode(ids, start, cache):
+        def timed_encode(spans):
             self._sync()
             t0 = time.perf_counter()
-            encode(ids, start, cache)
+            encode(spans)
             self._sync()
             dt = time.perf_counter() - t0
-            if start == 0:
-                self.prompt_s += dt
-            else:
-                self.canvas_encode_s += dt
+            tokens = sum(ids.numel() for ids, _ in spans)
+            prompts = {id(r.cache) for r in self.runner.rows.values() if r.canvases_done == 0}
+            prompt = sum(ids.numel() for ids, c in spans if id(c) in prompts)
+            self.prompt_s += dt * prompt / tokens
+            self.canvas_encode_s += dt * (tokens - prompt) / tokens
+            self.encodes.append(len(spans))
 
         model.encode = timed_encode
 
@@ -192,6 +203,7 @@ class Timers:
     def reset(self) -> None:
         self.prompt_s = self.canvas_encode_s = 0.0
         self.forward_events = []
+        self.encodes = []
 
     def forward_ms(self) -> list[float]:
         return [a.elapsed_time(b) for a, b in self.forward_events]
@@ -227,13 +239,21 @@ def run_batch(engine: Engine, timers: Timers, batch: int, args, vocab: int) -> d
     steps: list[dict[str, float]] = []
     while engine.has_unfinished():
         encoded = timers.prompt_s + timers.canvas_encode_s
+        forwards = len(timers.encodes)
         s0, c0 = time.perf_counter(), time.process_time()
         outs = engine.step()
         if cuda:
             torch.cuda.synchronize()
         now = time.perf_counter()
         enc = timers.prompt_s + timers.canvas_encode_s - encoded
-        steps.append({"wall": now - s0, "cpu": time.process_time() - c0, "encode": enc})
+        steps.append(
+            {
+                "wall": now - s0,
+                "cpu": time.process_time() - c0,
+                "encode": enc,
+                "encodes": timers.encodes[forwards:],
+            }
+        )
         for o in outs:
             if o.finished:
                 done[o.request_id] = o
@@ -252,6 +272,11 @@ def run_batch(engine: Engine, timers: Timers, batch: int, args, vocab: int) -> d
         "step_cpu_ms": 1e3 * statistics.median(s["cpu"] for s in plain) if plain else None,
         "forward_ms": statistics.median(fwd) if fwd else None,
         "ttft_ms": 1e3 * statistics.median(first.values()),
+        "ttft_max_ms": 1e3 * max(first.values()),
+        "encode_step_tokens": engine.runner.encode_step_tokens,
+        "first_step_encoder_forwards": len(steps[0]["encodes"]),
+        "first_step_encoded_rows": sum(steps[0]["encodes"]),
+        "encoder_forwards": len(timers.encodes),
         "e2e_s": e2e,
         "prompt_encode_s": timers.prompt_s,
         "canvas_encode_s": timers.canvas_encode_s,
@@ -382,6 +407,12 @@ def main() -> None:
     ap.add_argument("--baseline", help="an older diffusion_gemma.py to time beside (GPU)")
     ap.add_argument("--baseline-batches", default="1")
     ap.add_argument("--out", help="write the JSON here too")
+    ap.add_argument(
+        "--encode-step-tokens",
+        type=int,
+        default=0,
+        help="the encoder's token budget a step (0: the server default)",
+    )
     ap.add_argument("--profile", type=int, default=0, help="profile 2 steps at this batch")
     ap.add_argument(
         "--graphs", choices=("on", "off", "both"), default="both", help="decoder CUDA graphs"
@@ -435,9 +466,11 @@ def main() -> None:
         max_canvas=args.output,
         max_step_tokens=1 << 24,
         max_queue=4 * max(batches),
+        **({"encode_step_tokens": args.encode_step_tokens} if args.encode_step_tokens else {}),
     )
     engine = Engine(cfg, loaded)
     timers = Timers(model, loaded.device.type == "cuda")
+    timers.runner = engine.runner
     graph = engine.runner.decode_graph
     engine.runner.decode_graph = timers.timed(graph or model.decode_hidden)
     # kernels of every shape a run meets, prompt and finished-canvas encodes included
@@ -462,6 +495,7 @@ def main() -> None:
         except Exception as exc:
             row = {"batch": b, "error": f"{type(exc).__name__}: {exc}"[:300]}
             engine = Engine(cfg, loaded)  # rows of the failed run are dropped with it
+            timers.runner = engine.runner
             graph = engine.runner.decode_graph
             engine.runner.decode_graph = timers.timed(graph or model.decode_hidden)
         if loaded.device.type == "cuda":
