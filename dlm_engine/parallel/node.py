@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import socket
 import time
 from typing import Any
 
@@ -46,6 +47,28 @@ def parse_leader(leader: str, port: int = DEFAULT_PORT) -> tuple[str, int]:
     return host, port
 
 
+def wait_listening(host: str, port: int, wait_s: float) -> None:
+    """Wait until `host:port` accepts connections (rank 0 may still be downloading, its pod's
+    name may not resolve yet), saying so once a minute; torch's own store client would log a
+    stack trace on every retry."""
+    deadline = time.monotonic() + wait_s
+    note = 0.0
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=2.0):
+                return
+        except OSError as exc:
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(
+                    f"rank 0's store at {host}:{port} did not answer within {wait_s:g} s ({exc})"
+                ) from None
+            if now >= note:
+                log.warning("waiting for rank 0's store at %s:%d (%s)", host, port, exc)
+                note = now + 60.0
+            time.sleep(1.0)
+
+
 def node_spec(spec: dict[str, Any], node: int, host: str) -> dict[str, Any]:
     """Rank 0's spec as this host's workers need it: rank 0's address, this host's own
     checkpoint folder and devices (its first GPU for its first rank)."""
@@ -60,7 +83,8 @@ def node_spec(spec: dict[str, Any], node: int, host: str) -> dict[str, Any]:
 def run_node(host: str, port: int, node: int, wait_s: float = WAIT_S) -> int:
     """Serve node `node` of rank 0's group at `host:port` until the group stops; 0 when rank 0
     stopped it, 1 when rank 0 or one of this host's ranks went away."""
-    store = join_store(port, None, wait_s, host)  # retries until rank 0 listens
+    wait_listening(host, port, wait_s)
+    store = join_store(port, None, wait_s, host)
     spec = json.loads(store.get(SPEC_KEY))  # rank 0 publishes it before it listens for ranks
     world, nodes = int(spec["world"]), int(spec.get("nodes", 1))
     if not 1 <= node < nodes:  # told here only: rank 0 waits for the right node

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, terminate)
     try:
         return run_node(host, port, args.node, args.wait)
-    except (ValueError, RuntimeError) as exc:  # torch's store errors are RuntimeErrors
+    except (OSError, ValueError, RuntimeError) as exc:  # torch's store errors: RuntimeError
         print(f"error: tensor-parallel node {args.node}: {exc}", file=sys.stderr)
         return 1
 

@@ -207,3 +207,11 @@ def test_a_node_with_a_wrong_index_says_so_and_exits(llada) -> None:
         err = node.stderr.read().decode()
     assert "--node 2: rank 0 runs tensor_parallel_nodes 2, so the other nodes are 1..1" in err
     assert not store.check([LOST_KEY])
+
+
+def test_a_node_without_a_leader_gives_up_after_its_wait() -> None:
+    with node_process(free_port(), wait_s=1) as node:
+        assert node.wait(timeout=60) == 1
+        err = node.stderr.read().decode()
+    assert "error: tensor-parallel node 1: rank 0's store at 127.0.0.1:" in err
+    assert "did not answer within 1 s" in err
