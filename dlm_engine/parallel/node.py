@@ -85,7 +85,7 @@ def run_node(host: str, port: int, node: int, wait_s: float = WAIT_S) -> int:
     stopped it, 1 when rank 0 or one of this host's ranks went away."""
     wait_listening(host, port, wait_s)
     store = join_store(port, None, wait_s, host)
-    spec = json.loads(store.get(SPEC_KEY))  # rank 0 publishes it before it listens for ranks
+    spec = json.loads(store.get(SPEC_KEY))  # published by rank 0 before it starts any rank
     world, nodes = int(spec["world"]), int(spec.get("nodes", 1))
     if not 1 <= node < nodes:  # told here only: rank 0 waits for the right node
         raise ValueError(
