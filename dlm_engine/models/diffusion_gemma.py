@@ -795,6 +795,7 @@ GEMMA_RULES = ShardRules(
 FAMILY = Family(
     name="diffusion_gemma",
     label="DiffusionGemma",
+    table_label="DiffusionGemma (MoE, text)",
     detect=is_diffusion_gemma,
     build=lambda config: DiffusionGemmaModel(DiffusionGemmaArch.from_config(config)),
     default_algorithm="uniform",

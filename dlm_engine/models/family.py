@@ -46,6 +46,8 @@ class Family:
 
     name: str  # as configs, logs and docs name it
     label: str  # as its authors write it (model cards, tables)
+    # the README's served-models table, where it says more than `label` (MoE, text only)
+    table_label: str = ""
     detect: Callable[[dict[str, Any]], bool]  # does this `config.json` describe the family?
     build: Callable[[dict[str, Any]], nn.Module]  # an uninitialised model of the layout
     default_algorithm: str

@@ -351,6 +351,7 @@ LLADA2_RULES = ShardRules(
 FAMILY = Family(
     name="llada2",
     label="LLaDA2",
+    table_label="LLaDA2 (MoE)",
     detect=_is_llada2,
     build=lambda config: LLaDA2Model(LLaDA2Arch.from_config(config)),
     default_algorithm="threshold",

@@ -181,6 +181,7 @@ SDAR_MOE_RULES = ShardRules(
 FAMILY = Family(
     name="sdar_moe",
     label="SDAR-MoE",
+    table_label="SDAR (MoE)",
     detect=_is_sdar_moe,
     build=lambda config: SDARMoeModel(SDARMoeArch.from_config(config)),
     default_algorithm=SDAR_FAMILY.default_algorithm,

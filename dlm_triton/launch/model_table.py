@@ -38,16 +38,6 @@ HUB_ARCHITECTURES = {
     "google/diffusiongemma-26B-A4B-it": "diffusiongemma-26b-a4b",
 }
 
-FAMILY_LABELS = {
-    "llada": "LLaDA",
-    "dream": "Dream",
-    "sdar": "SDAR",
-    "sdar_moe": "SDAR (MoE)",
-    "llada2": "LLaDA2 (MoE)",
-    "diffusion_gemma": "DiffusionGemma (MoE, text)",
-    "fast_dllm_v2": "Fast-dLLM v2",
-}
-
 # bitsandbytes storage per weight of a replaced linear layer, in bytes: LLM.int8 keeps one
 # byte a weight plus a float32 scale per output row; NF4 half a byte plus, with its default
 # double quantization, one byte of absmax per 64 weights and a float32 per 256 such blocks.
@@ -134,6 +124,14 @@ def _checkpoint_bytes(checkpoint: str) -> tuple[str, int, float, float, float, f
     return weight_bytes(architecture(checkpoint))
 
 
+def _family_label(name: str) -> str:
+    """The family as the table names it (`Family.table_label`, else its label)."""
+    from dlm_engine.models import family_of
+
+    family = family_of(name)
+    return family.table_label or family.label
+
+
 def rows(repository: Path = COMMITTED_REPOSITORY) -> list[ModelRow]:
     order = {spec.name: i for i, spec in enumerate(MODELS)}  # model_repo.py's order
     files = sorted(
@@ -145,7 +143,7 @@ def rows(repository: Path = COMMITTED_REPOSITORY) -> list[ModelRow]:
         params = read_parameters(config_file)
         checkpoint = params["checkpoint"]
         family, total, bf16, fp8, int8, nf4 = _checkpoint_bytes(checkpoint)
-        label = FAMILY_LABELS.get(family, family)
+        label = _family_label(family)
         if "d3llm" in checkpoint.lower():
             label = f"d3LLM ({label})"
         out.append(
