@@ -278,6 +278,8 @@ class Engine:
             eos_id=self.loaded.eos_id,
         )
         seq.constraint = self.structured.row_constraint(resolved)
+        if self.family.uniform_diffusion:  # a step feeds its decoder one canvas
+            seq.decoder_tokens = self.runner.canvas_length
         if seq.constraint is not None and resolved.tools is not None:
             seq.constraint.reserve += closing_reserve(resolved.tools, self.tokenizer)
         if not self.runner.fits_pool(seq):

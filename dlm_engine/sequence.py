@@ -92,6 +92,8 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.constraint: RowConstraint | None = None  # grammar matcher (decoding/constraints)
+        # DiffusionGemma: the canvas its decoder reads a step, set by the engine (0: not one)
+        self.decoder_tokens = 0
         # canvas position -> its committed token's logprob (rows with `logprobs`)
         self.logprobs: dict[int, TokenLogprob] = {}
         self._llada_schedule = llada_block_schedule(params.block_length, params.steps_per_block)
@@ -142,8 +144,12 @@ class Sequence:
 
     @property
     def step_tokens(self) -> int:
-        """Tokens this row feeds a forward (the scheduler's budget): the whole sequence, or a
-        block row's query from its first non-final cached position."""
+        """Tokens this row feeds a forward (the scheduler's budget): the whole sequence, a
+        block row's query from its first non-final cached position, or a DiffusionGemma row's
+        canvas (`decoder_tokens`; its prompt goes through the encoder under the runner's own
+        budget, `encode_step_tokens`)."""
+        if self.decoder_tokens:
+            return self.decoder_tokens
         if self.layout is not None:
             return self.block_end - self.kv_upto
         return self.length

@@ -265,7 +265,8 @@ SETTINGS: tuple[Setting, ...] = (
         "max_step_tokens",
         "int",
         65536,
-        "prompt and canvas tokens of all rows in one forward",
+        "prompt and canvas tokens of all rows in one forward (DiffusionGemma: each row's "
+        "canvas; its encoder has `encode_step_tokens`)",
         minimum=1,
     ),
     Setting(

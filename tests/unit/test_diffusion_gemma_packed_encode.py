@@ -240,3 +240,32 @@ def test_rows_joining_and_cancelled_mid_flight_under_a_small_budget(narrow):
     for rid in "bcd":
         want = _alone(narrow, *reqs[rid])
         assert final[rid].token_ids[: len(want)] == want, rid
+
+
+def test_admission_counts_a_row_s_canvas_not_its_prompt(ckpt, monkeypatch):
+    """A DiffusionGemma row feeds its decoder one canvas a step (its prompt goes through the
+    encoder under `encode_step_tokens`), so `max_step_tokens` of four canvases admits four
+    rows at once, where counting prompt + `max_tokens` would admit one a step; their prompts
+    are encoded in one forward."""
+    from dlm_engine import Engine, EngineConfig
+
+    engine = Engine(
+        EngineConfig(
+            model=str(ckpt), device="cpu", dtype="float32", max_rows=4, max_step_tokens=4 * CANVAS
+        )
+    )
+    calls = _spy_encode(engine, monkeypatch)
+    texts = ["hi there", "abc", "sort 4 2 9", "What is 12 + 7?"]
+    prompts = [_prompt(engine, t) for t in texts]
+    assert all(len(p) + 32 > 4 * CANVAS // 2 for p in prompts)  # prompt + canvas: one fits
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, {"seed": i, "max_tokens": 32})
+    engine.step()
+    assert engine.num_running == 4 and engine.num_waiting == 0
+    assert calls == [[len(p) for p in prompts]]
+    final = {}
+    while engine.has_unfinished():
+        final |= {o.request_id: o for o in engine.step() if o.finished}
+    for i, p in enumerate(prompts):
+        want = _alone(engine, p, {"seed": i, "max_tokens": 32})
+        assert final[str(i)].token_ids[: len(want)] == want
