@@ -145,6 +145,21 @@ def served_figures(runs: int, warmup: int) -> dict[str, Any]:
     }
 
 
+def served_overhead(eng: dict[str, Any], srv: dict[str, Any]) -> dict[str, Any]:
+    """What serving adds to the same request: the served medians minus the in-process
+    request's median at the thread count the stub steps with (its `dlm_model_info`)."""
+    threads = int(srv["runtime"].get("torch_threads") or 0)
+    engine = eng.get(f"request_{threads}_threads")
+    if engine is None:
+        return {}
+    base = engine["median_ms"]
+    return {
+        "threads": threads,
+        "triton_grpc_ms": round(srv["triton_grpc"]["median_ms"] - base, 2),
+        "proxy_http_ms": round(srv["proxy_http"]["median_ms"] - base, 2),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=10)
@@ -158,6 +173,7 @@ def main() -> None:
         "served": served_figures(args.runs, args.warmup),
     }
     eng, srv = result["engine"], result["served"]
+    result["served_overhead"] = served_overhead(eng, srv)
     print(json.dumps(result["cpu"]))
     print(f"answer: engine {eng['answer']!r}, proxy {srv['answer']!r}; {eng['steps']} steps")
     print(f"stub runtime: {srv['runtime']}")
@@ -169,6 +185,13 @@ def main() -> None:
         )
     print(f"Triton gRPC end to end: {srv['triton_grpc']['median_ms']} ms (median)")
     print(f"OpenAI proxy end to end: {srv['proxy_http']['median_ms']} ms (median; goal <= 600)")
+    over = result["served_overhead"]
+    if over:
+        print(
+            f"served overhead over the engine alone at the stub's {over['threads']} thread(s): "
+            f"Triton gRPC {over['triton_grpc_ms']} ms, proxy {over['proxy_http_ms']} ms "
+            "(medians of separate runs; benchmarks/served_overhead.py pairs them)"
+        )
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
