@@ -73,6 +73,14 @@ def _emulated(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(xq.float() * xs, w)
 
 
+def fp8_like(linear: nn.Module, layer: Fp8Linear) -> Fp8Linear:
+    """`layer`, the FP8 replacement of `linear`, as `linear`'s own FP8 kind where it has one:
+    a tensor-parallel row layer (`parallel/layers.py`) answers `as_fp8` with a layer that
+    still sums its partial products over the ranks."""
+    as_fp8 = getattr(linear, "as_fp8", None)
+    return as_fp8(layer) if as_fp8 is not None else layer
+
+
 class Fp8Linear(nn.Module):
     """`nn.Linear` with e4m3 weights [N, K] and float32 scales: per output channel
     (`weight_scale` [N]) or per block (`block` = (bn, bk), `weight_scale` [N/bn, K/bk], as
@@ -96,16 +104,23 @@ class Fp8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        """`linear` quantized per output channel (a tensor-parallel shard keeps its role:
+        see `fp8_like`)."""
         q, scale = quantize_rows(linear.weight.data)
         bias = None if linear.bias is None else linear.bias.data
-        return cls(linear.in_features, linear.out_features, bias, q, scale)
+        return fp8_like(linear, cls(linear.in_features, linear.out_features, bias, q, scale))
 
     @classmethod
     def concat(cls, layers: list[Fp8Linear]) -> Fp8Linear:
         """Layers sharing an input stacked along the output (q/k/v, gate/up): per-channel
-        scales concatenate exactly."""
-        if any(layer.block is not None for layer in layers):
-            raise ValueError("block-scaled FP8 layers are not fused")
+        scales concatenate exactly, and so do block scales of layers whose outputs are whole
+        blocks of the same size."""
+        block = layers[0].block
+        if block is not None and any(
+            layer.block != block or layer.weight_scale.dim() != 2 or layer.out_features % block[0]
+            for layer in layers
+        ):
+            raise ValueError("block-scaled FP8 layers are fused only in whole blocks of one size")
         bias = None
         if layers[0].bias is not None:
             bias = torch.cat([layer.bias.data for layer in layers])
@@ -115,6 +130,7 @@ class Fp8Linear(nn.Module):
             bias,
             torch.cat([layer.weight for layer in layers]),
             torch.cat([layer.weight_scale for layer in layers]),
+            block,
         )
 
     def dequantized(self) -> torch.Tensor:
@@ -127,6 +143,12 @@ class Fp8Linear(nn.Module):
         return self.weight.float() * s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.product(x)
+        return y if self.bias is None else y + self.bias
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x times the weight, without the bias (a row-parallel layer sums this over ranks
+        first)."""
         x2 = x.reshape(-1, self.in_features)
         if self.block is None and fp8_hardware(x.device):
             xq, xs = quantize_tokens(x2)
@@ -145,8 +167,6 @@ class Fp8Linear(nn.Module):
             if self._dense is None:
                 self._dense = self.dequantized()
             y = _emulated(x2, self._dense).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

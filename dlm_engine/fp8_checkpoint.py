@@ -8,6 +8,8 @@ Two publishing formats are read from `quantization_config` in config.json:
 - transformers' fine-grained FP8 (`quant_method: fp8`): `<layer>.weight_scale_inv` per
   `weight_block_size` block (or per tensor).
 Layers named in the config's ignore list stay as stored (usually the head and the router).
+Under tensor parallelism each rank reads its slices of the weights and the matching slices of
+their scales (`parallel/sharding.py`); a row-parallel layer stays row-parallel in FP8.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .fp8 import E4M3, Fp8Linear
+from .fp8 import E4M3, Fp8Linear, fp8_like
 
 log = logging.getLogger(__name__)
 
@@ -88,13 +90,16 @@ def install_fp8_layers(model: nn.Module, state: dict[str, torch.Tensor], fmt: Fp
         scale = _scale_as_loaded(state.pop(scale_name), linear.out_features, fmt)
         state[f"{path}.weight_scale"] = scale
         block = fmt.block if scale.dim() == 2 else None
-        placeholder = Fp8Linear(
-            linear.in_features,
-            linear.out_features,
-            None if linear.bias is None else torch.empty_like(linear.bias, device="meta"),
-            torch.empty(linear.weight.shape, dtype=E4M3, device="meta"),
-            torch.empty(scale.shape, device="meta"),
-            block,
+        placeholder = fp8_like(
+            linear,
+            Fp8Linear(
+                linear.in_features,
+                linear.out_features,
+                None if linear.bias is None else torch.empty_like(linear.bias, device="meta"),
+                torch.empty(linear.weight.shape, dtype=E4M3, device="meta"),
+                torch.empty(scale.shape, device="meta"),
+                block,
+            ),
         )
         setattr(parent, child_name, placeholder)
         swapped += 1

@@ -16,6 +16,7 @@ spread whole over the ranks instead: rank r holds experts r*E/N .. (r+1)*E/N - 1
 renumbered from 0, and its MoE layer learns its first expert (`first_expert`, see
 `models/moe.py`'s `run_experts`); the shared expert and everything else stays as above, so the
 MoE layer still ends in the one all-reduce that sums the ranks' partial outputs.
+A published FP8 checkpoint's scales are split with their weights (`fp8_shards.py`).
 DiffusionGemma runs only under expert parallel: its stacked experts (`expert_stack`) are
 sliced by expert into `gemma.LocalExperts`, everything else is replicated.
 """
@@ -31,7 +32,9 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
+from ..fp8_checkpoint import fp8_format
 from ..hub import weight_files
+from ..loader import _takes_model_dtype
 from ..models import FAMILIES, family_of
 from ..models.shard_rules import (
     COLUMN,
@@ -45,6 +48,7 @@ from ..models.shard_rules import (
     VOCAB,
     ShardRules,
 )
+from .fp8_shards import read_scale, scale_parts, weight_of
 from .layers import RowParallelLinear, VocabParallelHead
 
 
@@ -221,23 +225,59 @@ def read_shard(
     if expert_parallel and rules.expert_tensor is not None:
         check_expert_parallel(family, rules)
         per_rank = _split(int(config[rules.expert_count_key]), world, "num_experts")
+    fp8 = fp8_format(config)
+    shapes = _shapes(path) if fp8 is not None else {}
     state: dict[str, torch.Tensor] = {}
     for f in weight_files(path):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if rules.skip and name.startswith(rules.skip):
                     continue
-                kind = kind_of(name, rules, expert_parallel)
+                weight = weight_of(name) if fp8 is not None else None
+                kind = kind_of(weight or name, rules, expert_parallel)
                 if kind == EXPERT:
                     local = _own_expert(name, rules, rank, per_rank)
                     if local is None:
                         continue
                     t, name = sf.get_tensor(name), local
+                elif weight is not None and fp8 is not None:  # its weight's slice's scales
+                    shape = shapes[name]
+                    parts = scale_parts(
+                        name, shape, shapes.get(weight, shape), kind, rank, world, fp8.block, qkv
+                    )
+                    t = read_scale(sf.get_slice(name), parts)
                 else:
                     t = _slice(sf.get_slice(name), kind, rank, world, qkv)
-                t = t.to(dtype) if t.is_floating_point() else t
+                # FP8 weights and their scales stay as stored (`fp8_checkpoint.py`)
+                t = t.to(dtype) if _takes_model_dtype(name, t) else t
                 state[name] = t.to(device)
     return state
+
+
+def _shapes(path: Path) -> dict[str, list[int]]:
+    """Every published tensor's shape (the files' headers only)."""
+    shapes: dict[str, list[int]] = {}
+    for f in weight_files(path):
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
+                shapes[name] = list(sf.get_slice(name).get_shape())
+    return shapes
+
+
+def check_fp8_split(path: Path, family: str, config: dict[str, Any], world: int, ep: bool) -> None:
+    """Refuse, before any rank starts, an FP8 checkpoint whose scales this split would cut
+    or whose output head is FP8 (reads only the files' headers)."""
+    fmt = fp8_format(config)
+    if fmt is None:
+        return
+    rules = rules_for(family, ep)
+    qkv = rules.qkv_rows(config) if rules.qkv_rows is not None else None
+    shapes = _shapes(path)
+    for name, shape in shapes.items():
+        weight = weight_of(name)
+        if weight is not None:
+            kind = kind_of(weight, rules, ep)
+            scale_parts(name, shape, shapes.get(weight, shape), kind, 0, world, fmt.block, qkv)
 
 
 def _own_expert(name: str, rules: ShardRules, rank: int, per_rank: int) -> str | None:

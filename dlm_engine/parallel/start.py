@@ -22,7 +22,7 @@ from ..models import Family, build_model, detect_family
 from .channel import Channel
 from .group import LOCALHOST, host_store, init_group, rank_device
 from .model import ParallelLM
-from .sharding import read_shard, rules_for, shard_model
+from .sharding import check_fp8_split, read_shard, rules_for, shard_model
 from .workers import SPEC_KEY, WorkerSet
 
 # a collective (or the first load) waits this long for a silent peer before failing; a
@@ -33,21 +33,41 @@ TIMEOUT_S = 300.0
 NODE_FETCH_TIMEOUT_S = 3600.0
 
 
-def check_supported(config: EngineConfig, raw: dict[str, Any], family: Family) -> None:
-    """Refuse, naming the setting, what tensor parallelism does not run yet."""
+# quantization that runs on every rank's shard after its load (per-channel scales of a
+# row-parallel shard are then computed over the shard's columns: see `RowParallelFp8Linear`)
+PARALLEL_QUANTIZATION = ("fp8",)
+
+
+def check_supported(
+    config: EngineConfig, raw: dict[str, Any], family: Family, path: Path | None = None
+) -> None:
+    """Refuse, naming the setting, what tensor parallelism does not run yet. FP8 runs: a
+    published FP8 checkpoint (each rank reads its slices of the weights and of their scales;
+    `path` lets a split that would cut a scale block be refused here, before any rank starts)
+    and `quantization=fp8` (each rank quantizes its own shard)."""
     world = config.tensor_parallel_size
-    if config.quantization:
+    if config.quantization and config.quantization not in PARALLEL_QUANTIZATION:
         raise ValueError(
             f"quantization={config.quantization} is not supported with "
-            f"tensor_parallel_size {world} yet"
+            f"tensor_parallel_size {world} yet (supported: {', '.join(PARALLEL_QUANTIZATION)})"
         )
     if int4_format(raw) is not None:
         raise ValueError(
             f"GPTQ/AWQ checkpoints are not supported with tensor_parallel_size {world} yet"
         )
-    if fp8_format(raw) is not None:
-        raise ValueError(f"FP8 checkpoints are not supported with tensor_parallel_size {world} yet")
+    fp8 = fp8_format(raw)  # an unknown quant_method: a clear error here
+    if (
+        fp8 is not None
+        and family.shard_rules is not None
+        and not family.shard_rules.tensor_parallel
+    ):
+        raise ValueError(
+            f"FP8 checkpoints are not supported for the {family.name} family with "
+            f"tensor_parallel_size {world} yet"
+        )
     rules_for(family.name, config.expert_parallel)  # no sharding table: a clear error
+    if fp8 is not None and path is not None:
+        check_fp8_split(path, family.name, raw, world, bool(config.expert_parallel))
     with torch.device("meta"):  # heads and widths that do not divide: refused before any start
         shard_model(
             build_model(family, raw), family.name, world, expert_parallel=config.expert_parallel
@@ -77,7 +97,8 @@ def load_rank(spec: dict[str, Any], rank: int, world: int) -> LoadedModel:
     its host's `local_rank`-th device."""
     device = rank_device(spec["device"], int(spec.get("local_rank", rank)))
     reader = shard_reader(world, rank, bool(spec.get("expert_parallel")))
-    return load_checkpoint(spec["path"], spec["dtype"], str(device), weights=reader)
+    quantization = spec.get("quantization")  # each rank quantizes its own shard
+    return load_checkpoint(spec["path"], spec["dtype"], str(device), quantization, weights=reader)
 
 
 def start_tensor_parallel(config: EngineConfig) -> LoadedModel:
@@ -89,7 +110,7 @@ def start_tensor_parallel(config: EngineConfig) -> LoadedModel:
     path = resolve_checkpoint(config.model, config.revision)  # once, before any worker reads
     raw = json.loads((path / "config.json").read_text())
     family = detect_family(raw)
-    check_supported(config, raw, family)
+    check_supported(config, raw, family, path)
     store = host_store(world, TIMEOUT_S, int(config.tensor_parallel_port) if nodes > 1 else 0)
     spec = {
         "path": str(path),
@@ -108,6 +129,7 @@ def start_tensor_parallel(config: EngineConfig) -> LoadedModel:
         # replicated hidden states (and LLaDA2's routing of them) agree bit for bit
         "fused_kernels": bool(config.fused_kernels),
         "expert_parallel": bool(config.expert_parallel),
+        "quantization": config.quantization,
     }
     if nodes > 1:
         store.set(SPEC_KEY, json.dumps(spec))
