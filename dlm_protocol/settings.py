@@ -238,7 +238,7 @@ SETTINGS: tuple[Setting, ...] = (
         None,
         "weight quantization: `fp8` (e4m3: native on Ada/Hopper GPUs, dequantized elsewhere), "
         "`int4` (groups of 128: Triton kernels on CUDA, dequantized elsewhere), "
-        "`int8`, `nf4` (bitsandbytes, CUDA)",
+        "`int8`, `nf4` (bitsandbytes, CUDA); with tensor_parallel_size > 1 only `fp8`",
         optional=True,
         none_text="none",
         choices=QUANTIZATIONS,
