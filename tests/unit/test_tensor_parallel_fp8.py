@@ -1,9 +1,11 @@
 """FP8 under tensor (and expert) parallelism on CPU: 2 real ranks over gloo, each reading its
 slices of a published FP8 checkpoint's weights and scales (per channel and per block), or
-quantizing its own bf16 shard at load (`quantization=fp8`). Greedy tokens match one device
-loading the same checkpoint; logits agree within FP8 rounding, not bit for bit: a row-parallel
-layer quantizes each token's activations over its rank's slice of the inputs (and, quantized
-at load, its weight rows over that slice), where one device uses the whole row.
+quantizing its own bf16 shard at load (`quantization=fp8`). The ranks' dequantized slices are
+exactly the stored weights. Logits agree with one device's within FP8 rounding, not bit for
+bit: a row-parallel layer quantizes each token's activations over its rank's slice of the
+inputs (and, quantized at load, its weight rows over that slice), where one device uses the
+whole row; one device made to round its row layers that way gives the ranks' logits and the
+same greedy tokens.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_fp8 import _as_published_fp8
-from test_tensor_parallel import _any_worker_for, _prompts
+from test_tensor_parallel import _any_worker_for, _prompts, _tokens
+from torch import nn
 
 from dlm_engine import Engine, EngineConfig
-from dlm_engine.fp8 import E4M3, Fp8Experts, Fp8Linear
+from dlm_engine.fp8 import E4M3, Fp8Experts, Fp8Linear, quantize_rows
 from dlm_engine.models.common import full_logits
 from dlm_engine.models.shard_rules import COLUMN, EXPERT, PARTIAL, QKV, ROW
 from dlm_engine.parallel.layers import RowParallelFp8Linear
@@ -154,11 +157,56 @@ def test_each_ranks_fp8_slices_reassemble_the_stored_weights(tmp_path, family, l
         assert torch.equal(whole[name], w), name
 
 
-def _check(path: str, quantization: str | None = None, reference: str | None = None, **config):
+class _AsRanks(nn.Module):
+    """A row layer on one device computing as 2 ranks do: each half of the inputs through its
+    own `Fp8Linear` (its activations quantized over that half), the halves' products summed."""
+
+    def __init__(self, halves: list[Fp8Linear], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.halves, self.bias = nn.ModuleList(halves), bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = x.chunk(len(self.halves), dim=-1)
+        y = sum(h.product(p) for h, p in zip(self.halves, parts, strict=True))
+        return y if self.bias is None else y + self.bias
+
+
+def _round_as_ranks(lm: nn.Module, unquantized: nn.Module | None, rows: list[str]) -> None:
+    """Make one device's FP8 `lm` round its row layers `rows` as 2 ranks do: the published
+    weights and scales split by input columns (block scales by input blocks), or, quantized
+    at load, each half of `unquantized`'s weight quantized on its own."""
+    for name in rows:
+        layer = lm.get_submodule(name)
+        halves = []
+        for i in range(2):
+            if unquantized is not None:
+                w = unquantized.get_submodule(name).weight.chunk(2, dim=1)[i]
+                q, scale = quantize_rows(w)
+                half = Fp8Linear(w.shape[1], w.shape[0], None, q, scale)
+            else:
+                w = layer.weight.chunk(2, dim=1)[i].contiguous()
+                s = layer.weight_scale
+                if layer.block is not None:
+                    s = s.chunk(2, dim=1)[i].contiguous()
+                half = Fp8Linear(w.shape[1], w.shape[0], None, w, s, layer.block)
+            halves.append(half)
+        bias = None if layer.bias is None else layer.bias.data
+        parent, _, attr = name.rpartition(".")
+        setattr(lm.get_submodule(parent), attr, _AsRanks(halves, bias))
+
+
+def _check(
+    path: str,
+    quantization: str | None = None,
+    reference: str | None = None,
+    as_ranks: bool = False,
+    **config,
+):
     """TP=2 (or EP=2) on FP8 weights: rank 0 computes in FP8 (its row layers still summed over
     ranks); one forward's logits differ from one device's by less than FP8 differs from the
     unquantized `reference` (each rank quantizes a token's activations over its own inputs),
-    and served requests finish."""
+    and served requests finish. With `as_ranks`: one device made to round its row layers as
+    the ranks do gives the ranks' logits and the same greedy tokens."""
     one = Engine(EngineConfig(model=path, quantization=quantization))
     full = Engine(EngineConfig(model=reference or path))
     two_config = EngineConfig(
@@ -178,6 +226,15 @@ def _check(path: str, quantization: str | None = None, reference: str | None = N
         assert 0 < _rel(b, a) < _rel(a, exact), (_rel(b, a), _rel(a, exact))
         outs = engine.generate(prompts, ROWS)
         assert all(o.finished for o in outs) and any(o.token_ids for o in outs)
+        if as_ranks:  # one device rounding as the ranks do: their logits and greedy tokens
+            rows = [
+                n for n, m in model.local.named_modules() if isinstance(m, RowParallelFp8Linear)
+            ]
+            _round_as_ranks(one.runner.model, full.runner.model if quantization else None, rows)
+            with torch.no_grad():
+                c = full_logits(one.runner.model)(x)
+            torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-4)
+            assert [o.token_ids for o in outs] == _tokens(one, prompts, ROWS)
     finally:
         model.close()
         assert all(p.poll() is not None for p in model.workers.procs)
@@ -186,20 +243,20 @@ def _check(path: str, quantization: str | None = None, reference: str | None = N
 def test_published_per_channel_fp8_runs_at_tp2(tmp_path: Path) -> None:
     src = make_tiny_checkpoint(tmp_path / "src", "dream", seed=11)
     _as_published_fp8(src, tmp_path / "fp8", "channel")
-    _check(str(tmp_path / "fp8"), reference=str(src))
+    _check(str(tmp_path / "fp8"), reference=str(src), as_ranks=True)
 
 
 def test_published_block_fp8_runs_at_tp2(tmp_path: Path) -> None:
     src = make_tiny_checkpoint(tmp_path / "src", "dream", seed=12)
     _as_block_fp8(src, tmp_path / "fp8", (16, 16))
-    _check(str(tmp_path / "fp8"), reference=str(src))
+    _check(str(tmp_path / "fp8"), reference=str(src), as_ranks=True)
 
 
 def test_quantized_at_load_fp8_runs_at_tp2(tmp_path: Path) -> None:
     """Each rank quantizes its own shard: column layers get one device's scales, row layers
     scales over their slice of the inputs."""
     src = make_tiny_checkpoint(tmp_path / "src", "llada", seed=13)
-    _check(str(src), quantization="fp8")
+    _check(str(src), quantization="fp8", as_ranks=True)
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
