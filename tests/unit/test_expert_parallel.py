@@ -6,8 +6,6 @@ forward's logits allclose, and each rank must hold and read only its own experts
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -18,14 +16,7 @@ from dlm_engine.parallel import ParallelLM
 from dlm_engine.parallel.sharding import read_shard
 from dlm_lab.testing import make_tiny_checkpoint
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_per_rank() -> Iterator[None]:
-    """Two ranks on a 2-core machine: one thread each (workers take rank 0's count)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank_module")
 
 
 def test_each_ranks_experts_sum_to_all_experts() -> None:

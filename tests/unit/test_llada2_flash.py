@@ -8,7 +8,6 @@ ranks (the model_repository entries spread them over 4)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -93,15 +92,6 @@ def test_flash_keys_load_and_equal_llada2_reference_alone_and_batched(ckpt: str)
     check_alone_and_batched(
         engine, [(p, c) for c in CASES for p in prompts], testing.block_reference, past=4
     )
-
-
-@pytest.fixture()
-def one_thread_per_rank() -> Iterator[None]:
-    """Two ranks on a 2-core machine: one thread each (workers take rank 0's count)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_flash_ep2_equals_one_device(ckpt: str, one_thread_per_rank) -> None:

@@ -6,7 +6,6 @@ rows, and tensor parallel / expert parallel on 2 CPU ranks equal to one device."
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -135,15 +134,6 @@ def test_engine_equals_sdar_reference_alone_and_batched(ckpt: str) -> None:
     check_alone_and_batched(
         engine, [(p, c) for c in CASES for p in prompts], testing.block_reference, past=4
     )
-
-
-@pytest.fixture()
-def one_thread_per_rank() -> Iterator[None]:
-    """Two ranks on a 2-core machine: one thread each (workers take rank 0's count)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])

@@ -26,14 +26,7 @@ from dlm_engine.parallel import ParallelLM, TensorParallelError
 from dlm_lab.testing import make_tiny_checkpoint
 from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_per_rank() -> Iterator[None]:
-    """Two ranks on a 2-core machine: one thread each (workers take rank 0's count)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank_module")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,14 +29,7 @@ from dlm_engine.parallel.layers import RowParallelFp8Linear
 from dlm_engine.parallel.sharding import kind_of, read_shard, rules_for
 from dlm_lab.testing import make_tiny_checkpoint, write_checkpoint
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_each() -> Iterator[None]:
-    """Two ranks on a 2-core machine: one thread each (workers take rank 0's count)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank_module")
 
 
 ROWS = [{"max_tokens": 16, "steps": 16}, {"max_tokens": 12, "steps": 12}, {"max_tokens": 8}]

@@ -8,8 +8,6 @@ one device, with most forwards replayed rather than captured.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -18,13 +16,7 @@ from dlm_engine.parallel import ParallelLM
 from dlm_engine.parallel.graphs import ParallelGraphs
 from dlm_lab.testing import make_tiny_checkpoint
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_per_rank() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank_module")
 
 
 def _graphed_tp2(path: str, max_graphs: int, **config) -> tuple[Engine, ParallelGraphs]:

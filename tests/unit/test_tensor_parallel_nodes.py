@@ -20,7 +20,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from dlm_engine import Engine, EngineConfig
@@ -31,13 +30,7 @@ from dlm_lab.testing import make_tiny_checkpoint
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_per_rank() -> Iterator[None]:
-    """Four ranks on a small machine: one thread each (workers take rank 0's count)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank_module")
 
 
 @pytest.fixture(scope="module")
