@@ -28,6 +28,17 @@ def _requests_by_instance(server) -> dict[str, float]:
     return counts
 
 
+def _counts_once_settled(server, total: float) -> dict[str, float]:
+    """The per-instance counts once they add up to `total` (or after 10 s): an instance
+    counts a request just after sending its final response, so a client can be ahead."""
+    deadline = time.monotonic() + 10
+    counts = _requests_by_instance(server)
+    while sum(counts.values()) < total and time.monotonic() < deadline:
+        time.sleep(0.05)
+        counts = _requests_by_instance(server)
+    return counts
+
+
 @pytest.fixture(scope="module")
 def wider_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Wide enough that a 256-step request keeps its replica busy for seconds on a CPU."""
@@ -57,7 +68,7 @@ def test_two_replicas_share_the_work_by_load(server_factory, wider_checkpoint: P
         long_text.append(out.text)
         long_done.set()
 
-    before = _requests_by_instance(server)
+    before = _counts_once_settled(server, 1)  # the request above
     thread = threading.Thread(target=long_request)
     thread.start()
     time.sleep(1.0)  # the long request is running on one replica
@@ -68,7 +79,7 @@ def test_two_replicas_share_the_work_by_load(server_factory, wider_checkpoint: P
     thread.join(timeout=300)
     assert long_done.is_set() and long_text and long_text[0]
     assert texts == [want.text] * SHORTS  # either replica answers the same
-    after = _requests_by_instance(server)
+    after = _counts_once_settled(server, sum(before.values()) + SHORTS + 1)
     got = sorted(after[k] - before.get(k, 0.0) for k in after)
     assert sum(got) == SHORTS + 1, (before, after)
     print(
