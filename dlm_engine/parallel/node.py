@@ -69,7 +69,7 @@ def wait_listening(host: str, port: int, wait_s: float) -> None:
             time.sleep(1.0)
 
 
-def node_spec(spec: dict[str, Any], node: int, host: str) -> dict[str, Any]:
+def node_spec(spec: dict[str, Any], host: str) -> dict[str, Any]:
     """Rank 0's spec as this host's workers need it: rank 0's address, this host's own
     checkpoint folder and devices (its first GPU for its first rank)."""
     from ..hub import resolve_checkpoint
@@ -93,7 +93,7 @@ def run_node(host: str, port: int, node: int, wait_s: float = WAIT_S) -> int:
             f"are 1..{nodes - 1}"
         )
     try:
-        local = node_spec(spec, node, host)
+        local = node_spec(spec, host)
     except Exception as exc:  # noqa: BLE001 - rank 0 reports it and stops waiting
         store.set(LOST_KEY, f"tensor-parallel node {node}: {type(exc).__name__}: {exc}")
         raise
