@@ -17,6 +17,18 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
 CHARS = [chr(i) for i in range(32, 127)] + ["\n"]
+# a tool's parameters that a tiny canvas can hold (bounded string, enum, integer range),
+# shared by the Gemma 4 tool-call tests of the engine and of the served stack
+WEATHER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"

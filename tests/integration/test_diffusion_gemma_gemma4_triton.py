@@ -16,19 +16,9 @@ from proxy_fixtures import ProxyProcess
 
 from dlm_engine.config import EngineConfig
 from dlm_engine.engine import Engine
-from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
+from dlm_lab.testing_diffusion_gemma import WEATHER_SCHEMA, make_tiny_diffusion_gemma
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"enum": ["c", "f"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA}}]
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -61,7 +51,7 @@ def test_gemma4_tool_calls_denoise_and_logit_bias_through_the_proxy(
             assert c.finish_reason == "tool_calls" and not c.message.content
             for tc in c.message.tool_calls:
                 assert tc.function.name == "get_weather"
-                jsonschema.validate(json.loads(tc.function.arguments), WEATHER)
+                jsonschema.validate(json.loads(tc.function.arguments), WEATHER_SCHEMA)
             # the conversation goes on: the call and its result back through the template
             follow = client.chat.completions.create(
                 model=model,
@@ -96,7 +86,7 @@ def test_gemma4_tool_calls_denoise_and_logit_bias_through_the_proxy(
         assert content == "" and calls
         for tc in calls:  # each call comes whole in its chunk
             assert tc.function.name == "get_weather"
-            jsonschema.validate(json.loads(tc.function.arguments), WEATHER)
+            jsonschema.validate(json.loads(tc.function.arguments), WEATHER_SCHEMA)
 
         # denoise: a frame every step, the canvas in progress shown (no nulls inside it)
         frames, text = [], ""

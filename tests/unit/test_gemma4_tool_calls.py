@@ -20,23 +20,13 @@ import pytest
 from dlm_engine import Engine, EngineConfig, InvalidRequestError
 from dlm_engine.tool_gemma4 import Gemma4Format, json_prefix
 from dlm_engine.tools import HERMES, ToolCallText, ToolSpec, parse_tool_calls
-from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
+from dlm_lab.testing_diffusion_gemma import WEATHER_SCHEMA, make_tiny_diffusion_gemma
 
 pytest.importorskip("transformers")
 
 Q = '<|"|>'
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"enum": ["c", "f"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 SCHEMAS = {
-    "get_weather": WEATHER,
+    "get_weather": WEATHER_SCHEMA,
     "add": {
         "type": "object",
         "properties": {
