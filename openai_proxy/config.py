@@ -266,19 +266,72 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="seconds a Triton stream may stay silent before the request ends with 504 "
         "(DLM_PROXY_STREAM_IDLE_TIMEOUT_S, default 300)",
     )
-    p.add_argument("--health-timeout", type=float, dest="health_timeout_s")
-    p.add_argument("--health-interval", type=float, dest="health_interval_s")
-    p.add_argument("--first-event-wait", type=float, dest="first_event_wait_s")
-    p.add_argument("--drain-timeout", type=float, dest="drain_timeout_s")
-    p.add_argument("--retry-after", type=int, dest="retry_after_s")
+    p.add_argument(
+        "--health-timeout",
+        type=float,
+        dest="health_timeout_s",
+        help="seconds one readiness probe of a Triton may take",
+    )
+    p.add_argument(
+        "--health-interval",
+        type=float,
+        dest="health_interval_s",
+        help="seconds between readiness probes of each Triton",
+    )
+    p.add_argument(
+        "--first-event-wait",
+        type=float,
+        dest="first_event_wait_s",
+        help="seconds a stream waits for Triton's first answer before sending headers, so an "
+        "immediate model error is a real HTTP 400",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        dest="drain_timeout_s",
+        help="on SIGTERM, seconds running requests may finish",
+    )
+    p.add_argument(
+        "--retry-after", type=int, dest="retry_after_s", help="Retry-After seconds on 503 answers"
+    )
     p.add_argument(
         "--playground",
         choices=PLAYGROUND_MODES,
         help="browser playground at /playground: auto (default) = on unless API keys are "
         "configured (DLM_PROXY_PLAYGROUND)",
     )
-    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--log-level",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="the proxy's log level",
+    )
+    _name_env_and_default(p)
     return p
+
+
+def _default_text(value: object) -> str:
+    """A ProxyConfig default as the help shows it."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return ",".join(value) or "none"
+    return str(value) if value != "" else "none"
+
+
+def _name_env_and_default(parser: argparse.ArgumentParser) -> None:
+    """End each flag's help with its environment variable and its ProxyConfig default, unless
+    the help already names them: `--help` then says what the settings table says."""
+    defaults = ProxyConfig()
+    for action in parser._actions:
+        if not hasattr(defaults, action.dest):
+            continue
+        env = ENV_PREFIX + action.dest.upper()
+        text = (action.help or "").strip()
+        extra = [] if env in text else [env]
+        if "default" not in text:
+            extra.append(f"default {_default_text(getattr(defaults, action.dest))}")
+        if extra:
+            action.help = f"{text} ({'; '.join(extra)})".lstrip().replace("%", "%%")
 
 
 def config_from_args(

@@ -142,12 +142,13 @@ def _generate_parser(sub: Any) -> None:
     p.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC address")
     p.add_argument("--http-url", help="Triton HTTP base (with --http)")
     p.add_argument("--http", action="store_true", help="use HTTP generate_stream instead of gRPC")
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="the Triton model to ask")
     p.add_argument("--stream", action="store_true", help="print deltas as they commit")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--chat", dest="chat", action="store_true", default=True,
                       help="apply the chat template (default)")  # fmt: skip
-    mode.add_argument("--raw", dest="chat", action="store_false", help="raw prompt, no template")
+    mode.add_argument("--raw", dest="chat", action="store_false",
+                      help="send the prompt as it is, no template (default: off)")  # fmt: skip
     for param in PARAMS:  # one flag per request key of the contract
         _param_flag(p, param)
     p.add_argument("--param", action="append", default=[], metavar="KEY=JSON",

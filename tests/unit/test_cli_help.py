@@ -74,3 +74,27 @@ def test_proxy_flags_are_in_the_settings_table(flag: str) -> None:
     assert flag in {s for a in proxy_parser()._actions for s in a.option_strings}
     table = (DOCS / "openai_api.md").read_text()
     assert f"| `{flag}` |" in table
+
+
+def test_every_flag_has_help_and_no_python_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    for command in ("serve", "generate", "download", "tp-node"):
+        sub = cli.build_parser()._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+        missing = [a.option_strings for a in sub._actions if a.option_strings and not a.help]
+        assert not missing, f"{command}: {missing}"
+        text = _help(command, monkeypatch)
+        for raw in ("(default: True)", "(default: None)", "(default: False)"):
+            assert raw not in text, f"{command}: {raw}"
+
+
+def test_every_proxy_flag_names_its_variable_and_default_and_is_in_the_table() -> None:
+    """`python -m openai_proxy --help` and docs/openai_api.md's settings table list the same
+    flags, each with the `DLM_PROXY_*` variable that from_env reads."""
+    table = (DOCS / "openai_api.md").read_text()
+    rows = {line.split("|")[1]: line for line in table.splitlines() if line.startswith("| `--")}
+    for action in proxy_parser()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        env = "DLM_PROXY_" + action.dest.upper()
+        assert env in (action.help or "") and "default" in (action.help or ""), action.dest
+        row = next((r for cell, r in rows.items() if f"`{action.option_strings[0]}`" in cell), "")
+        assert f"`{env}`" in row, f"docs/openai_api.md has no row for {action.option_strings[0]}"
