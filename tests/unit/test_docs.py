@@ -31,6 +31,17 @@ def test_every_served_model_is_in_the_readme_table() -> None:
         assert f"| `{name}` |" in text, name
 
 
+def test_the_readme_has_a_serve_command_per_family() -> None:
+    """Each family of the models table (LLaDA, Dream, SDAR, ...) has a `dlm-triton serve
+    --model <name>` line in the README naming one of its models."""
+    served = set(re.findall(r"dlm-triton serve --model (\S+)", docgen.README.read_text()))
+    by_family: dict[str, set[str]] = {}
+    for row in model_table.rows():
+        by_family.setdefault(row.family.split(" (")[0], set()).add(row.name)
+    missing = sorted(family for family, names in by_family.items() if not names & served)
+    assert not missing, f"no serve command for: {missing}"
+
+
 def test_weight_memory_matches_what_was_measured_on_the_gpu() -> None:
     """LLaDA-8B's weights as allocated on an H100/H200 (docs/benchmarks.md, quantization
     table): bf16 16.03 GB, LLM.int8 9.06 GB, NF4 5.68 GB."""
