@@ -289,6 +289,23 @@ def test_proxy_environment_names_real_settings(
     assert scaled.triton_urls == ["gpu-a:8001", "gpu-b:8001"]
 
 
+def test_24gb_override_lowers_the_limits_of_triton_and_the_proxy(
+    compose_cmd: tuple[list[str], dict[str, str]],
+) -> None:
+    """docker/compose.24gb.yaml (docs/tuning.md): real settings variables, and a proxy limit
+    no larger than the canvas Triton accepts."""
+    from dlm_triton.backend.settings import resolve_settings
+    from openai_proxy.config import ProxyConfig
+
+    services = resolve(compose_cmd, "compose.24gb.yaml")["services"]
+    triton_env = {k: v for k, v in services["triton"]["environment"].items() if v}
+    values = resolve_settings({"checkpoint": "tiny-dlm"}, environ=triton_env)
+    assert (values.max_rows, values.max_canvas, values.max_prompt) == (4, 512, 1024)
+    proxy_env = {k: v for k, v in services["proxy"]["environment"].items() if v}
+    assert ProxyConfig.from_env(proxy_env).max_tokens_limit == values.max_canvas
+    assert services["triton"]["environment"]["DLM_MODEL"]  # the base file's entries stay
+
+
 def test_keys_and_hub_token_are_secret_files(
     compose_cmd: tuple[list[str], dict[str, str]], tmp_path: Path
 ) -> None:
