@@ -349,6 +349,8 @@ def test_logit_bias_through_the_proxy_and_triton(
     r = _post(proxy, "/v1/chat/completions", body)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == "q" * 8
+    text = _post(proxy, "/v1/completions", {"model": model, "prompt": "3 times 4 is", **forced})
+    assert text.status_code == 200 and text.json()["choices"][0]["text"] == "q" * 8, text.text
     assert client.generate(messages=[USER], **forced).text == "q" * 8  # Triton gRPC
     assert client.generate_http(messages=[USER], **forced).text == "q" * 8  # Triton HTTP
     banned = {"logit_bias": {str(q): -100}, "max_tokens": 8, "steps": 8}
