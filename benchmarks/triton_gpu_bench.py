@@ -14,9 +14,20 @@ torch.compile happen at first use of a shape), run with 2 steps per block like g
 capture pass. Measured per setting: aggregate generated tok/s (sum of completion tokens / wall
 time from the first send to the last final response), mean and max time per request, mean time
 to first token (first streamed response), and from the server's metrics endpoint the mean rows
-per engine step and the mean step time during the round.
+per engine step, the mean step time and the requests each instance finished during the round.
+
+Data parallel (``--data-parallel-size 1,2``): one server per size, started and stopped in turn,
+each placing that many engine replicas (one Triton instance per GPU, as ``dlm-triton serve
+--data-parallel-size`` does; on the CPU that many CPU instances). ``--via triton,proxy`` times
+each setting twice on the same server: over gRPC streams, and through the OpenAI proxy that the
+launcher starts in front of it (streamed ``/v1/completions`` of the same token ids, one HTTP
+stream per request), each path with its own warm-up round. ``scaling`` in results.json is each
+size's tok/s over the first size's, per cache, concurrency and path; results.json is rewritten
+after every round, so a run cut short keeps what it measured.
 
     python benchmarks/triton_gpu_bench.py --out triton_gpu_out
+    python benchmarks/triton_gpu_bench.py --data-parallel-size 1,2 --via triton,proxy \\
+        --concurrency 32 --caches dual --out dp_out          # a 2-GPU host
     python benchmarks/triton_gpu_bench.py --tiny --device cpu --prompt 8 --max-tokens 32 \\
         --block 8 --steps 8 --concurrency 1,4 --out /tmp/tb   # CPU smoke run
 """
@@ -36,11 +47,13 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from dlm_triton.launch.launcher import Ports, TritonServerProcess
 
 _METRIC_LINE = re.compile(r"^(\w+)(?:\{[^}]*\})?\s+([-+0-9.eE]+|NaN)$")
+_INSTANCE = re.compile(r'^dlm_requests_total\{[^}]*instance="([^"]+)"[^}]*\}\s+([-+0-9.eE]+)$')
 _WATCHED = (
     "dlm_rows_per_step_sum",
     "dlm_rows_per_step_count",
@@ -87,13 +100,28 @@ def tiny_checkpoint(root: Path) -> tuple[Path, list[int]]:
     return ckpt, ids
 
 
-def one_request(
-    client, input_ids: list[int], sampling: dict, barrier: threading.Barrier, out: dict
-) -> None:
-    """Send one streamed request after the barrier; record send, first and final times."""
+def requests_by_instance(url: str) -> dict[str, float]:
+    """Finished requests per Triton instance (``dlm_requests_total`` summed over outcomes)."""
     try:
-        barrier.wait()
-        out["sent"] = time.perf_counter()
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _INSTANCE.match(line)
+        if m:
+            counts[m.group(1)] = counts.get(m.group(1), 0.0) + float(m.group(2))
+    return counts
+
+
+Send = Callable[[list[int], dict, dict], None]
+
+
+def grpc_sender(client) -> Send:
+    """One request over its own gRPC stream (``dlm_client``); fills first/done/tokens."""
+
+    def send(input_ids: list[int], sampling: dict, out: dict) -> None:
         chunks = 0
         for chunk in client.stream(input_ids=input_ids, stream=True, **sampling):
             chunks += 1
@@ -105,27 +133,72 @@ def one_request(
                 out["steps"] = chunk.steps
                 out["finish_reason"] = chunk.finish_reason
         out["chunks"] = chunks
+
+    return send
+
+
+def proxy_sender(http, base_url: str, model: str) -> Send:
+    """One streamed ``/v1/completions`` of the token ids through the OpenAI proxy: first text
+    chunk, end of stream, and the completion tokens of the usage chunk."""
+
+    def send(input_ids: list[int], sampling: dict, out: dict) -> None:
+        body = {"model": model, "prompt": input_ids, "stream": True, **sampling}
+        body["stream_options"] = {"include_usage": True}
+        chunks = 0
+        with http.stream("POST", f"{base_url}/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {resp.read().decode()[:300]}")
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                chunks += 1
+                choice = event["choices"][0] if event.get("choices") else {}
+                if "first" not in out and choice.get("text"):
+                    out["first"] = time.perf_counter()
+                if choice.get("finish_reason"):
+                    out["finish_reason"] = choice["finish_reason"]
+                if event.get("usage"):
+                    out["completion_tokens"] = event["usage"]["completion_tokens"]
+        if "completion_tokens" in out:
+            out["done"] = time.perf_counter()
+            out.setdefault("first", out["done"])
+        out["chunks"] = chunks
+
+    return send
+
+
+def one_request(
+    send: Send, input_ids: list[int], sampling: dict, barrier: threading.Barrier, out: dict
+) -> None:
+    """Send one streamed request after the barrier; record send, first and final times."""
+    try:
+        barrier.wait()
+        out["sent"] = time.perf_counter()
+        send(input_ids, sampling, out)
     except Exception as exc:  # reported per request; the round is marked failed
         out["error"] = f"{type(exc).__name__}: {exc}"
 
 
 def run_round(
-    client, prompts: list[list[int]], sampling: dict, metrics_url: str, timeout_s: float
+    send: Send, prompts: list[list[int]], sampling: dict, metrics_url: str, timeout_s: float
 ) -> dict:
-    """All requests at once, one gRPC stream each; aggregate and per-request times."""
+    """All requests at once, one stream each; aggregate and per-request times."""
     n = len(prompts)
     barrier = threading.Barrier(n)
     results: list[dict] = [{} for _ in range(n)]
     threads = [
-        threading.Thread(target=one_request, args=(client, p, sampling, barrier, r), daemon=True)
+        threading.Thread(target=one_request, args=(send, p, sampling, barrier, r), daemon=True)
         for p, r in zip(prompts, results, strict=True)
     ]
     before = scrape(metrics_url)
+    by_instance = requests_by_instance(metrics_url)
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=timeout_s)
     after = scrape(metrics_url)
+    by_instance_after = requests_by_instance(metrics_url)
     errors = [r.get("error", "no final response") for r in results if "done" not in r]
     if errors:
         return {"ok": False, "errors": errors[:3], "failed": len(errors)}
@@ -145,9 +218,9 @@ def run_round(
         "max_request_s": max(e2e),
         "mean_ttft_s": sum(ttft) / n,
         "max_ttft_s": max(ttft),
-        "steps_per_request": sorted({r["steps"] for r in results}),
+        "steps_per_request": sorted({r["steps"] for r in results if "steps" in r}),
         "tokens_per_request": sorted({r["completion_tokens"] for r in results}),
-        "finish_reasons": sorted({r["finish_reason"] for r in results}),
+        "finish_reasons": sorted({str(r.get("finish_reason")) for r in results}),
         "chunks_per_request": sum(r["chunks"] for r in results) / n,
     }
     if before and after:
@@ -157,11 +230,167 @@ def run_round(
         row["mean_rows_per_step"] = d["dlm_rows_per_step_sum"] / steps if steps else None
         ss = d["dlm_step_duration_seconds_count"]
         row["mean_step_ms"] = 1e3 * d["dlm_step_duration_seconds_sum"] / ss if ss else None
+    if by_instance_after:  # the last responses may be counted just after the client saw them
+        row["requests_by_instance"] = {
+            k: int(v - by_instance.get(k, 0.0)) for k, v in sorted(by_instance_after.items())
+        }
     return row
 
 
 def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt("terminated")
+
+
+def scaling(rows: list[dict]) -> list[dict]:
+    """Each data-parallel size's tok/s over the first size's, per cache, streams and path."""
+    ok = [r for r in rows if r.get("ok")]
+    if not ok:
+        return []
+    first = ok[0]["data_parallel_size"]
+
+    def key(r: dict) -> tuple:
+        return r["cache"], r["concurrency"], r["via"]
+
+    base = {key(r): r["tok_s"] for r in ok if r["data_parallel_size"] == first}
+    return [
+        {
+            "cache": r["cache"],
+            "concurrency": r["concurrency"],
+            "via": r["via"],
+            "data_parallel_size": r["data_parallel_size"],
+            "versus": first,
+            "speedup": r["tok_s"] / base[key(r)],
+        }
+        for r in ok
+        if r["data_parallel_size"] != first and key(r) in base
+    ]
+
+
+def print_row(row: dict, max_tokens: int) -> None:
+    head = (
+        f"{row['data_parallel_size']!s:>3} {row['via']:<7}{row['cache']:<7}{row['concurrency']:>8}"
+    )
+    if not row["ok"]:
+        print(f"{head}  FAILED ({row.get('stage', 'round')}): {row['errors']}", flush=True)
+        return
+    rows_ps = row.get("mean_rows_per_step")
+    step_ms = row.get("mean_step_ms")
+    print(
+        f"{head}{row['tok_s']:>9.0f}{row['mean_request_s']:>8.2f}{row['mean_ttft_s']:>8.2f}"
+        f"{(f'{rows_ps:.1f}' if rows_ps else '-'):>10}"
+        f"{(f'{step_ms:.1f}' if step_ms else '-'):>9}"
+        f"{row['wall_s']:>8.2f}  {row['warmup_s']:.1f}  "
+        f"{list(row.get('requests_by_instance', {}).values())}",
+        flush=True,
+    )
+    if row["tokens_per_request"] != [max_tokens]:
+        print(f"  note: tokens per request {row['tokens_per_request']} "
+              f"({row['finish_reasons']}), steps {row['steps_per_request']}",
+              flush=True)  # fmt: skip
+
+
+def serve_phase(args, model, dtype, dp: int | None, out: Path, results: dict, phase: dict) -> None:
+    """One server (``dp`` replicas, the proxy in front where asked): every cache x concurrency
+    x path, each with its warm-up round; rows appended to ``results`` and saved as they come."""
+    from dlm_client import DLMClient
+
+    vias = args.via.split(",")
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    tag = "default" if dp is None else str(dp)
+    server = TritonServerProcess(
+        model,
+        device=args.device,
+        dtype=dtype,
+        engine_params={
+            "max_rows": str(results["settings"]["max_rows"]),
+            "max_canvas": str(args.max_tokens),
+        },  # fmt: skip
+        ports=Ports.free(),
+        proxy="proxy" in vias,
+        log_path=out / f"tritonserver_dp{tag}.log",
+        ready_timeout_s=args.ready_timeout,
+        exit_timeout_s=20,
+        data_parallel_size=dp,
+    )
+    http = None
+    t0 = time.perf_counter()
+    try:
+        server.start()
+        phase["load_s"] = time.perf_counter() - t0
+        phase["placement"] = server.placement
+        phase["pids"] = {
+            "tritonserver": server.server.pid if server.server else None,
+            "proxy": server.proxy.pid if server.proxy else None,
+            "stubs": server.stub_pids(),
+        }
+        print(f"dp={tag}: server ready in {phase['load_s']:.0f}s: {server.model_name} "
+              f"{server.urls['grpc']} placement {server.placement or 'config default'}, "
+              f"{len(phase['pids']['stubs'])} stubs ({server.dist.source if server.dist else '?'} "
+              f"tritonserver)", flush=True)  # fmt: skip
+        client = DLMClient(
+            server.urls["grpc"],
+            server.model_name,
+            http_url=server.urls["http"],
+            timeout_s=args.round_timeout,
+        )
+        senders: dict[str, Send] = {"triton": grpc_sender(client)}
+        if "proxy" in vias:
+            import httpx
+
+            http = httpx.Client(
+                timeout=args.round_timeout, limits=httpx.Limits(max_connections=None)
+            )
+            senders["proxy"] = proxy_sender(http, server.urls["openai"], server.model_name)
+        prompts = results["prompts"]
+        for cache in args.caches.split(","):
+            for n in concurrency:
+                sampling = {
+                    "max_tokens": args.max_tokens,
+                    "steps": args.steps,
+                    "block_length": args.block,
+                    "temperature": 0.0,
+                    "cache": cache,
+                }
+                warm_sampling = dict(sampling, steps=results["settings"]["warmup_steps"])
+                for via in vias:
+                    send = senders[via]
+                    row = {"data_parallel_size": dp, "via": via, "cache": cache, "concurrency": n}
+                    tw = time.perf_counter()
+                    for _ in range(args.warmups):
+                        warm = run_round(
+                            send, prompts[:n], warm_sampling, server.urls["metrics"],
+                            args.round_timeout,
+                        )  # fmt: skip
+                        if not warm["ok"]:
+                            row.update(ok=False, errors=warm["errors"], stage="warm-up")
+                            break
+                    row["warmup_s"] = time.perf_counter() - tw
+                    if "ok" not in row:
+                        row.update(
+                            run_round(
+                                send,
+                                prompts[:n],
+                                sampling,
+                                server.urls["metrics"],
+                                args.round_timeout,
+                            )  # fmt: skip
+                        )
+                    results["rows"].append(row)
+                    results["scaling"] = scaling(results["rows"])
+                    save(out, results)
+                    print_row(row, args.max_tokens)
+    finally:
+        if http is not None:
+            http.close()
+        server.stop()
+        phase["stop"] = server.last_stop
+        save(out, results)
+        print(f"dp={tag}: server stopped: {json.dumps(server.last_stop)}", flush=True)
+
+
+def save(out: Path, results: dict) -> None:
+    public = {k: v for k, v in results.items() if k != "prompts"}
+    (out / "results.json").write_text(json.dumps(public, indent=2))
 
 
 def main() -> int:
@@ -174,6 +403,19 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cuda (KIND_GPU config) or cpu")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--caches", default="dual,none", help="cache modes, in this order")
+    ap.add_argument(
+        "--data-parallel-size",
+        default="",
+        help="comma list of engine replicas per server, one server each in turn (e.g. 1,2); "
+        "default: the launcher's (on GPUs the config's: one instance per visible GPU)",
+    )
+    ap.add_argument(
+        "--via",
+        default="triton",
+        help="comma list of paths: triton (gRPC streams) and/or proxy (streamed completions "
+        "through the OpenAI proxy, started in front of the same server)",
+    )
+    ap.add_argument("--warmups", type=int, default=1, help="warm-up rounds per setting and path")
     ap.add_argument("--prompt", type=int, default=64, help="prompt length (random token ids)")
     ap.add_argument("--id-max", type=int, default=100000, help="prompt ids are < this")
     ap.add_argument("--max-tokens", type=int, default=256, help="canvas")
@@ -185,13 +427,20 @@ def main() -> int:
     ap.add_argument("--round-timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-
-    from dlm_client import DLMClient
+    vias = args.via.split(",")
+    if not vias or set(vias) - {"triton", "proxy"}:
+        ap.error(f"--via {args.via!r}: a comma list of triton and proxy")
+    try:
+        sizes: list[int | None] = [int(d) for d in args.data_parallel_size.split(",") if d]
+    except ValueError:
+        ap.error(f"--data-parallel-size {args.data_parallel_size!r}: a comma list of integers")
+    if any(d < 1 for d in sizes):
+        ap.error("--data-parallel-size: each size must be at least 1")
+    sizes = sizes or [None]
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    caches = args.caches.split(",")
     max_rows = args.max_rows or max(concurrency)
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="triton-gpu-bench-"))
@@ -216,105 +465,57 @@ def main() -> int:
         "dtype": dtype or "checkpoint",
         "streamed": True,
         "warmup_steps": 2 * (args.max_tokens // args.block),
+        "warmups": args.warmups,
+        "data_parallel_sizes": sizes,
+        "via": vias,
     }
     device = device_name(args.device)
     header = (
         f"device={device} python={platform.python_version()} via tritonserver (launcher, "
-        f"{'KIND_GPU' if args.device.startswith('cuda') else 'KIND_CPU'}), gRPC streams, one per "
-        f"request\n{settings['model']}: random weights, fixed schedules (no early stop); prompt "
-        f"{args.prompt} random ids, canvas {args.max_tokens}, block {args.block}, "
-        f"{args.steps} steps, temperature 0, engine max_rows {max_rows}"
+        f"{'KIND_GPU' if args.device.startswith('cuda') else 'KIND_CPU'}), "
+        f"{' and '.join('gRPC streams' if v == 'triton' else 'the OpenAI proxy' for v in vias)}"
+        f", one stream per request; data parallel {sizes}\n{settings['model']}: random weights, "
+        f"fixed schedules (no early stop); prompt {args.prompt} random ids, canvas "
+        f"{args.max_tokens}, block {args.block}, {args.steps} steps, temperature 0, engine "
+        f"max_rows {max_rows} per replica"
     )
     print(header, flush=True)
-    results: dict = {"header": header, "device": device, "settings": settings, "rows": []}
-
-    def save() -> None:
-        (out / "results.json").write_text(json.dumps(results, indent=2))
-
-    server = TritonServerProcess(
-        model,
-        device=args.device,
-        dtype=dtype,
-        engine_params={"max_rows": str(max_rows), "max_canvas": str(args.max_tokens)},
-        ports=Ports.free(),
-        proxy=False,
-        log_path=out / "tritonserver.log",
-        ready_timeout_s=args.ready_timeout,
-        exit_timeout_s=20,
-    )
+    results: dict = {
+        "header": header,
+        "device": device,
+        "settings": settings,
+        "rows": [],
+        "phases": [],
+        "scaling": [],
+        "prompts": prompts,
+    }
     code = 0
-    t0 = time.perf_counter()
     signal.signal(signal.SIGTERM, _interrupt)  # `timeout` / a stop: still stop the server
+    print(f"{'dp':>3} {'via':<7}{'cache':<7}{'streams':>8}{'tok/s':>9}{'req s':>8}{'TTFT s':>8}"
+          f"{'rows/step':>10}{'step ms':>9}{'wall s':>8}  warm-up s  requests by instance",
+          flush=True)  # fmt: skip
     try:
-        server.start()
-        results["load_s"] = time.perf_counter() - t0
-        print(f"server ready in {results['load_s']:.0f}s: {server.model_name} "
-              f"{server.urls['grpc']} ({server.dist.source if server.dist else '?'} "
-              f"tritonserver)", flush=True)  # fmt: skip
-        client = DLMClient(
-            server.urls["grpc"],
-            server.model_name,
-            http_url=server.urls["http"],
-            timeout_s=args.round_timeout,
-        )
-        metrics_url = server.urls["metrics"]
-        print(f"{'cache':<7}{'streams':>8}{'tok/s':>9}{'req s':>8}{'TTFT s':>8}"
-              f"{'rows/step':>10}{'step ms':>9}{'wall s':>8}  warm-up s", flush=True)  # fmt: skip
-        for cache in caches:
-            for n in concurrency:
-                sampling = {
-                    "max_tokens": args.max_tokens,
-                    "steps": args.steps,
-                    "block_length": args.block,
-                    "temperature": 0.0,
-                    "cache": cache,
-                }
-                tw = time.perf_counter()
-                warm = run_round(
-                    client,
-                    prompts[:n],
-                    dict(sampling, steps=settings["warmup_steps"]),
-                    metrics_url,
-                    args.round_timeout,
-                )
-                warm_s = time.perf_counter() - tw
-                row = {"cache": cache, "concurrency": n, "warmup_s": warm_s}
-                if not warm["ok"]:
-                    row.update(ok=False, errors=warm["errors"], stage="warm-up")
-                else:
-                    row.update(
-                        run_round(client, prompts[:n], sampling, metrics_url, args.round_timeout)
-                    )
-                results["rows"].append(row)
-                save()
-                if not row["ok"]:
-                    code = 1
-                    print(f"{cache:<7}{n:>8}  FAILED: {row['errors']}", flush=True)
-                    continue
-                rows_ps = row.get("mean_rows_per_step")
-                step_ms = row.get("mean_step_ms")
-                print(
-                    f"{cache:<7}{n:>8}{row['tok_s']:>9.0f}{row['mean_request_s']:>8.2f}"
-                    f"{row['mean_ttft_s']:>8.2f}"
-                    f"{(f'{rows_ps:.1f}' if rows_ps else '-'):>10}"
-                    f"{(f'{step_ms:.1f}' if step_ms else '-'):>9}"
-                    f"{row['wall_s']:>8.2f}  {warm_s:.1f}",
-                    flush=True,
-                )
-                if row["tokens_per_request"] != [args.max_tokens]:
-                    print(f"  note: tokens per request {row['tokens_per_request']} "
-                          f"({row['finish_reasons']}), steps {row['steps_per_request']}",
-                          flush=True)  # fmt: skip
-    except (Exception, KeyboardInterrupt) as exc:
+        for dp in sizes:
+            phase: dict = {"data_parallel_size": dp}
+            results["phases"].append(phase)
+            try:
+                serve_phase(args, model, dtype, dp, out, results, phase)
+            except Exception as exc:  # this size failed (its server is stopped): next size
+                code = 1
+                phase["error"] = f"{type(exc).__name__}: {exc}"
+                print(f"dp={dp}: FAILED: {phase['error']}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt as exc:
         code = 1
         results["error"] = f"{type(exc).__name__}: {exc}"
         print(f"FAILED: {results['error']}", file=sys.stderr, flush=True)
     finally:
-        server.stop()
-        results["stop"] = server.last_stop
-        save()
+        save(out, results)
         shutil.rmtree(tmp, ignore_errors=True)
-        print(f"server stopped: {json.dumps(server.last_stop)}", flush=True)
+    if any(not r["ok"] for r in results["rows"]):
+        code = 1
+    for s in results["scaling"]:
+        print(f"dp {s['data_parallel_size']} / dp {s['versus']}, {s['via']}, {s['cache']}, "
+              f"{s['concurrency']} streams: {s['speedup']:.2f}x", flush=True)  # fmt: skip
     print(f"results: {out / 'results.json'}", flush=True)
     return code
 
