@@ -42,6 +42,15 @@ def test_the_readme_has_a_serve_command_per_family() -> None:
     assert not missing, f"no serve command for: {missing}"
 
 
+def test_the_tuning_guide_names_every_hub_model() -> None:
+    """docs/tuning.md's per-model table covers every served checkpoint of model_repository/
+    (the embedded task models have no tuning to give)."""
+    text = (ROOT / "docs" / "tuning.md").read_text()
+    rows = model_table.rows()
+    missing = [r.name for r in rows if "/" in r.checkpoint and f"`{r.name}`" not in text]
+    assert not missing, f"docs/tuning.md does not name: {missing}"
+
+
 def test_weight_memory_matches_what_was_measured_on_the_gpu() -> None:
     """LLaDA-8B's weights as allocated on an H100/H200 (docs/benchmarks.md, quantization
     table): bf16 16.03 GB, LLM.int8 9.06 GB, NF4 5.68 GB."""
