@@ -152,6 +152,27 @@ def test_documented_serve_flags_exist() -> None:
                 assert flag in known, f"{doc}: dlm-triton serve has no {flag}"
 
 
+@pytest.mark.parametrize("command", ["generate", "download", "tp-node"])
+def test_documented_flags_of_the_other_commands_exist(command: str) -> None:
+    sub = cli.build_parser()._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    known = {s for action in sub._actions for s in action.option_strings}
+    seen = 0
+    for doc in [*USER_DOCS, ROOT / "docker" / "kubernetes" / "README.md"]:
+        for line in doc.read_text().splitlines():
+            m = re.search(rf"dlm-triton {command}( [^`#|]*)?", line)
+            if not (m and m.group(1)):
+                continue
+            try:
+                words = shlex.split(m.group(1))
+            except ValueError:
+                continue
+            seen += 1
+            for flag in (w.split("=", 1)[0] for w in words if w.startswith("--")):
+                if "<" not in flag:  # `--<name>`: a placeholder in prose
+                    assert flag in known, f"{doc.name}: dlm-triton {command} has no {flag}"
+    assert seen, f"no documented dlm-triton {command} command"
+
+
 # Words of a development log, not of user docs: tracker numbers, work-session names, commit
 # hashes (hex words holding a letter and a digit), dated internal measurements.
 _LOG_WORDS = re.compile(
