@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
 # Pack what benchmarks/triton_gpu_device.sh needs on a GPU machine that has python3 + torch but
 # no tritonserver, tritonclient or numpy<2, and no network: one tar.xz laid out like a
-# site-packages folder (the device run carries 64 MiB at most, this is about 44 MB):
+# site-packages folder (the device run carries 64 MiB at most, with the tree; this is about 38 MB):
 #   pytriton/tritonserver/{bin/tritonserver, backends/python/*, python_backend_stubs/<py>/*}
 #   nvidia_pytriton.libs/*  (all but the libpython of another version)
 #   numpy==1.26.4 (the 2.51 stub breaks on numpy 2), tritonclient and its gRPC dependencies,
-#   unpacked from cp<py> manylinux wheels, tests left out.
+#   unpacked from cp<py> manylinux wheels, tests, numpy's C headers and static libraries and its
+#   test-only _simd module left out.
+# Debug info and static symbol tables are stripped (binutils' strip): ml_dtypes' and
+# python-rapidjson's extensions ship DWARF, tritonserver and libtritonserver full symbol tables.
+# The dynamic symbols that loading and the backends use stay. xz compresses with the x86 filter
+# (machine code compresses better) in one block whose dictionary holds the whole tar (one thread,
+# about 3 minutes); Python's tarfile reads it as any .xz.
 # Run from a checkout whose .venv has the serve extra (nvidia-pytriton) installed:
 #   benchmarks/triton_gpu_pack.sh [DEST]        (default .tritongpu/site.tar.xz, git-ignored)
 # PY_TAG=3.12 picks the stub and wheels; WHEELS=0 packs the server only; PROXY=0 leaves out
-# the OpenAI proxy's stack (FastAPI, uvicorn, pydantic, httpx); XZ_LEVEL=-9e.
+# the OpenAI proxy's stack (FastAPI, uvicorn, pydantic, httpx); XZ_FILTERS sets xz's filters.
 set -euo pipefail
+command -v strip >/dev/null && command -v readelf >/dev/null || {
+    echo "strip and readelf (binutils) are needed" >&2
+    exit 1
+}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 py=${PY_TAG:-3.12}
 dest=$(realpath -m "${1:-$repo/.tritongpu/site.tar.xz}")
@@ -49,9 +59,18 @@ if [ "${WHEELS:-1}" = 1 ]; then
     fi
     for w in "$stage"/wheels/*.whl; do "$repo/.venv/bin/python" -m zipfile -e "$w" "$site/"; done
     rm -rf "$site"/numpy/*/tests "$site"/numpy/tests "$site"/numpy/f2py "$site"/numpy/_pyinstaller \
-        "$site"/tritonclient/http "$site"/tritonclient/_plugins "$site"/tritonhttpclient
+        "$site"/tritonclient/http "$site"/tritonclient/_plugins "$site"/tritonhttpclient \
+        "$site"/numpy/core/include "$site"/numpy/core/lib "$site"/numpy/core/_simd.*.so \
+        "$site"/numpy/random/lib "$site"/numpy/random/_examples
 fi
+strip --strip-unneeded "$site/pytriton/tritonserver/bin/tritonserver" \
+    "$site"/nvidia_pytriton.libs/libtritonserver-*.so
+find "$site" -name '*.so' -type f -print0 | while IFS= read -r -d '' so; do
+    # grep reads all of readelf's output: with -q it could exit first, and under pipefail the
+    # readelf killed by SIGPIPE would make the test false
+    if readelf -S "$so" | grep '\.debug_info' >/dev/null; then strip --strip-debug "$so"; fi
+done
 find "$site" -name __pycache__ -prune -exec rm -rf {} +
 mkdir -p "$(dirname "$dest")"
-tar -cf - -C "$site" . | xz "${XZ_LEVEL:--9e}" -T0 >"$dest"
+tar -cf - -C "$site" . | xz ${XZ_FILTERS:---x86 --lzma2=preset=9e,dict=256MiB} -T1 >"$dest"
 ls -l "$dest"
