@@ -75,6 +75,21 @@ def device_name(device: str) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
+def gpu_memory_mib() -> list[int] | None:
+    """Memory in use on each visible GPU (nvidia-smi), to show where the replicas went."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        return None
+    return [int(float(x)) for x in out.stdout.split()]
+
+
 def scrape(url: str) -> dict[str, float]:
     """Sums over labels of the engine metrics we watch (empty when unreachable)."""
     try:
@@ -323,6 +338,7 @@ def serve_phase(args, model, dtype, dp: int | None, out: Path, results: dict, ph
             "proxy": server.proxy.pid if server.proxy else None,
             "stubs": server.stub_pids(),
         }
+        phase["gpu_memory_mib_loaded"] = gpu_memory_mib() if args.device != "cpu" else None
         print(f"dp={tag}: server ready in {phase['load_s']:.0f}s: {server.model_name} "
               f"{server.urls['grpc']} placement {server.placement or 'config default'}, "
               f"{len(phase['pids']['stubs'])} stubs ({server.dist.source if server.dist else '?'} "
@@ -379,6 +395,10 @@ def serve_phase(args, model, dtype, dp: int | None, out: Path, results: dict, ph
                     results["scaling"] = scaling(results["rows"])
                     save(out, results)
                     print_row(row, args.max_tokens)
+        if args.device != "cpu":
+            phase["gpu_memory_mib_after"] = gpu_memory_mib()
+            print(f"dp={tag}: GPU memory MiB loaded {phase['gpu_memory_mib_loaded']}, after "
+                  f"the rounds {phase['gpu_memory_mib_after']}", flush=True)  # fmt: skip
     finally:
         if http is not None:
             http.close()
