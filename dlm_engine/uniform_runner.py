@@ -10,6 +10,10 @@ encoder caches as plain tensors (no page pool). On the GPU the decoder step is r
 from a CUDA graph while the batch and its caches stay the same (`DecodeGraph`). A row with structured output or a required
 tool call gets its canvases constrained as they end (`decoding/uniform_constraints.py`); a row
 whose matcher fails ends alone with its error.
+
+A new row's longest cached prompt prefix (whole chunks of 256 tokens, same `cache_salt`) is
+copied into its cache instead of being encoded, and the chunks it encodes itself are stored
+once its prompt is in (`encoder_prefix.py`, `encoder_prefix_cache_bytes`).
 """
 
 from __future__ import annotations
@@ -21,13 +25,19 @@ import torch
 
 from .decoding.uniform_constraints import CanvasConstraint
 from .decoding.uniform_diffusion import UniformRow, denoise_rows, encode_rows
+from .encoder_prefix import EncoderPrefixCache, auto_budget, fill
 from .loader import LoadedModel
-from .models.diffusion_gemma import DecodeGraph
+from .models.diffusion_gemma import DecodeGraph, DiffusionGemmaModel
 from .sequence import Sequence
 
 
 class UniformRunner:
-    def __init__(self, loaded: LoadedModel, encode_step_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        encode_step_tokens: int | None = None,
+        prefix_cache_bytes: int | None = 0,
+    ) -> None:
         self.model = loaded.model
         self.encode_step_tokens = encode_step_tokens  # the encoder's budget a step (None: all)
         self.device = loaded.device
@@ -39,7 +49,15 @@ class UniformRunner:
         self.failed_rows: dict[int, str] = {}
         self.constraint_runtime: Any = None
         self.block_pages = None
-        self.prefix_cache = None
+        # prompt prefixes shared across rows (None: off; `prefix_cache_bytes` None: auto).
+        # Not under expert parallel: the workers' mirrors of the caches would miss the copy
+        if prefix_cache_bytes is None:
+            prefix_cache_bytes = auto_budget(self.device)
+        plain = isinstance(self.model, DiffusionGemmaModel)
+        self.prefix_cache: EncoderPrefixCache | None = (
+            EncoderPrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 and plain else None
+        )
+        self._chunk_hashes: dict[str, list[bytes]] = {}  # rows whose chunks are to be stored
         self.forward_passes = 0
         self.encoder_forwards = 0  # packed encoder forwards run (at most one a step)
         self.encoded_tokens = 0
@@ -63,6 +81,7 @@ class UniformRunner:
 
     def release(self, request_id: str) -> None:
         self.rows.pop(request_id, None)
+        self._chunk_hashes.pop(request_id, None)
 
     def shown_canvas(self, seq: Sequence) -> list[int]:
         """`stream_mode: denoise`'s canvas: the finished canvases and, while a canvas is being
@@ -103,7 +122,38 @@ class UniformRunner:
                 constraint=constraint,
                 logit_bias=seq.params.logit_bias,
             )
+            self._reuse_prefix(seq, row)
         return row
+
+    def _reuse_prefix(self, seq: Sequence, row: UniformRow) -> None:
+        """Copy the prompt's longest cached prefix into the new row's cache (only the rest
+        is left to encode) and have the whole chunks after it recorded as encoded."""
+        cache = self.prefix_cache
+        if cache is None or row.to_encode is None:
+            return
+        hashes = cache.hashes(seq.prompt_ids, seq.params.cache_salt)
+        if not hashes:
+            return
+        layers = self.model.model.decoder.layers
+        sliding = [layer.self_attn.shape.sliding for layer in layers]
+        hit = fill(row.cache, cache.match(hashes), sliding, self.model.arch.sliding_window)
+        seq.cached_tokens = hit
+        if hit:
+            row.take_span(hit)  # already in its cache
+        if len(hashes) * cache.chunk_tokens > hit:
+            row.cache.record_upto = len(hashes) * cache.chunk_tokens
+            self._chunk_hashes[seq.request_id] = hashes
+
+    def _store_prefixes(self, seqs: list[Sequence], rows: list[UniformRow]) -> None:
+        """Store the recorded chunks of rows whose whole chunks are now encoded."""
+        for seq, row in zip(seqs, rows, strict=True):
+            hashes = self._chunk_hashes.get(seq.request_id)
+            if hashes is None or row.cache.length < row.cache.record_upto:
+                continue
+            del self._chunk_hashes[seq.request_id]
+            keys, values = row.cache.take_recorded()
+            start = seq.cached_tokens // self.prefix_cache.chunk_tokens
+            self.prefix_cache.insert(hashes, keys, values, start)
 
     def step(self, seqs: list[Sequence], look_ahead: bool = True) -> list[list[int] | None]:
         """One step for every row: each row's finished canvas, [] while it goes on, or None
@@ -115,6 +165,8 @@ class UniformRunner:
         encoded = encode_rows(self.model, rows, self.encode_step_tokens)
         self.encoder_forwards += encoded > 0
         self.encoded_tokens += encoded
+        if self._chunk_hashes and encoded:
+            self._store_prefixes(seqs, rows)
         canvases = denoise_rows(self.model, rows, self.decode_graph)
         windows: list[list[int] | None] = []
         for i, (seq, row, canvas) in enumerate(zip(seqs, rows, canvases, strict=True)):

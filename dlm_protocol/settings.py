@@ -323,6 +323,19 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=1,
     ),
     Setting(
+        "encoder_prefix_cache_bytes",
+        "int",
+        None,
+        "DiffusionGemma: bytes of encoder keys and values of prompt prefixes kept for reuse "
+        "across requests (chunks of 256 tokens, shared only under the same `cache_salt`, "
+        "least recently used first out): a prompt starting with a cached prefix encodes only "
+        "the rest; 0 turns it off (off too with `tensor_parallel_size` > 1)",
+        optional=True,
+        none_text="auto",
+        minimum=0,
+        default_doc="`auto` = 64 MiB on CPU, 5% of the GPU's memory on CUDA",
+    ),
+    Setting(
         "cuda_graphs",
         "bool",
         True,

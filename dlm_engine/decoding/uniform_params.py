@@ -24,6 +24,7 @@ BUILT_IN = {
 ACCEPTED = frozenset(
     ("max_tokens", "steps", "threshold", "seed", "stop", "stream_mode", "priority", "logprobs")
     + ("logit_bias",)  # added to each step's logits (uniform_diffusion.py, logit_bias.py)
+    + ("cache_salt",)  # the encoder prefix cache's tenant (encoder_prefix.py)
     + UNIFORM_KEYS
     + ("tools", "tool_choice", "parallel_tool_calls")
     + CONSTRAINT_KEYS  # structured output: each finished canvas constrained (uniform_constraints)

@@ -470,6 +470,25 @@ class RowCache:
         self.room = room
         self.length = 0  # positions encoded so far
         self.version = next(_CACHE_VERSIONS)  # new buffers, new version (never reused)
+        # positions below this are also kept aside as they are encoded, every layer whole
+        # (sliding layers drop them from the cache): the encoder prefix cache stores them
+        self.record_upto = 0
+        self.recorded: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(n_layers)]
+
+    def note(self, i: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer i's new keys and values [KV, T, d] from position `start`: a copy of those
+        below `record_upto` is kept (`take_recorded`)."""
+        n = min(k.shape[1], self.record_upto - start)
+        if n > 0:
+            self.recorded[i].append((k[:, :n].clone(), v[:, :n].clone()))
+
+    def take_recorded(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The recorded keys and values per layer [KV, N, d], and recording stops."""
+        keys = [torch.cat([k for k, _ in parts], 1) for parts in self.recorded]
+        values = [torch.cat([v for _, v in parts], 1) for parts in self.recorded]
+        self.recorded = [[] for _ in self.recorded]
+        self.record_upto = 0
+        return keys, values
 
     def layer(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.keys[i], self.values[i]
@@ -575,6 +594,8 @@ class DiffusionGemmaModel(nn.Module):
             outs = []
             for r, (cache, start, t, off) in enumerate(rows):
                 k_new, v_new = k[0, :, off : off + t], v[0, :, off : off + t]
+                if start < cache.record_upto:  # a prompt chunk the prefix cache will store
+                    cache.note(i, start, k_new, v_new)
                 old_k, old_v = cache.layer(i)
                 if old_k is not None:
                     k_all, v_all = torch.cat([old_k, k_new], 1), torch.cat([old_v, v_new], 1)

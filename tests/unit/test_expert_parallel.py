@@ -186,6 +186,8 @@ def test_diffusion_gemma_ep2_equals_one_device(tmp_path) -> None:
         assert tokens(two, prompts[:1], params[0]) == tokens(one, prompts[:1], params[0])
         assert tokens(two, prompts, params) == tokens(one, prompts, params)
         assert model.ids.next >= 4  # a cache a row, each numbered once
+        # the encoder prefix cache would fill rank 0's caches only, not the workers' mirrors
+        assert two.runner.prefix_cache is None and one.runner.prefix_cache is not None
     finally:
         model.close()
     assert all(p.poll() is not None for p in model.workers.procs)
