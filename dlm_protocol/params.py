@@ -537,8 +537,9 @@ PARAMS: tuple[Param, ...] = (
         "with the same salt share cached prompt pages, so nobody without the salt can tell "
         "from cache hits (`cached_tokens`, timing) what another prompt held.",
         default_doc="none (proxy with API keys: a salt derived from the caller's key)",
-        relations="not empty; applies to block-diffusion models (the others keep no prompt "
-        "cache between requests); the proxy with API keys combines it with the key's own salt",
+        relations="not empty; applies to block-diffusion models and DiffusionGemma (the "
+        "others keep no prompt cache between requests); the proxy with API keys combines it "
+        "with the key's own salt",
         examples=("tenant-a", ""),
         shape=structure_shapes.non_empty_string,
     ),

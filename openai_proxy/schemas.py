@@ -563,7 +563,8 @@ class CompletionRequest(_RequestBase):
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(
         0,
-        description="Prompt tokens reused from the prefix cache (block-diffusion models; "
+        description="Prompt tokens reused from the prefix cache (block-diffusion models and "
+        "DiffusionGemma; "
         "shared only between requests of the same API key and `cache_salt`).",
     )
 

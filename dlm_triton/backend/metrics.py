@@ -76,7 +76,8 @@ class Metrics:
         # hit / lookup tokens)
         self.prefix_lookup_tokens = self._metric(
             "dlm_prefix_cache_lookup_tokens_total",
-            "Whole-block prompt tokens of block-diffusion requests looked up in the prefix cache",
+            "Whole-block prompt tokens of block-diffusion requests (DiffusionGemma: whole "
+            "encoder chunks) looked up in the prefix cache",
             counter,
         )
         self.prefix_hit_tokens = self._metric(
