@@ -5,6 +5,8 @@ tok/s, TTFT, and the bf16 weight-read floor of a step.
         [--steps 16] [--baseline out/gemma_base/diffusion_gemma.py] [--out FILE]
     python benchmarks/gpu_bench_gemma.py --tiny --batches 1,32 --prompt 512 --output 64
         # CPU, the tiny test checkpoint
+    python benchmarks/gpu_bench_gemma.py --shared-prefix 3584 [--encoder-prefix-cache-bytes 0]
+        # prompts sharing their first 3,584 tokens, the encoder prefix cache on (or off)
 
 The model is the published google/diffusiongemma-26B-A4B-it text architecture
 (`presets.py`) with random bf16 weights, built on the meta device and materialised straight
@@ -36,6 +38,13 @@ Figures per batch:
 
 Each batch runs with the decoder step eager and replayed from CUDA graphs (`--graphs`), the
 same requests and seeds, and says whether the tokens agree (`tokens_equal_other_mode`).
+
+`--shared-prefix N`: every prompt (the warm-up request's too) starts with the same N random
+tokens, as requests under one long system prompt; the warm-up leaves that prefix in the
+encoder prefix cache (`--encoder-prefix-cache-bytes`, -1: the server's `auto`, 0: off), so
+each measured row copies its whole 256-token chunks of it instead of encoding them.
+`prefix_hit_tokens` and `prefix_lookup_tokens` are the cache's counters over the run; compare
+`ttft_ms` and `prompt_encode_s` with the cache on and off.
 
 `--baseline FILE` also times the decoder forward of an older `diffusion_gemma.py` (its
 `decode`, a Python loop over experts) on the same weights, for before/after figures.
@@ -212,9 +221,14 @@ class Timers:
 def run_batch(engine: Engine, timers: Timers, batch: int, args, vocab: int) -> dict[str, Any]:
     cuda = engine.loaded.device.type == "cuda"
     gen = torch.Generator().manual_seed(batch)
+    shared = min(args.shared_prefix, args.prompt)
+    prefix = torch.randint(3, vocab, (shared,), generator=torch.Generator().manual_seed(0))
     prompts = [
-        torch.randint(3, vocab, (args.prompt,), generator=gen).tolist() for _ in range(batch)
+        prefix.tolist() + torch.randint(3, vocab, (args.prompt - shared,), generator=gen).tolist()
+        for _ in range(batch)
     ]
+    cache = engine.runner.prefix_cache
+    looked, hits = (cache.lookup_tokens, cache.hit_tokens) if cache is not None else (0, 0)
     params = {"max_tokens": args.output, "steps": args.steps}
     if cuda:
         torch.cuda.synchronize()
@@ -283,6 +297,9 @@ def run_batch(engine: Engine, timers: Timers, batch: int, args, vocab: int) -> d
         "decode_tok_s": tokens / decode_s,
         "output_tok_s": tokens / e2e,
         "finish_reasons": sorted({str(done[i].finish_reason) for i in ids}),
+        "shared_prefix": shared,
+        "prefix_lookup_tokens": cache.lookup_tokens - looked if cache is not None else 0,
+        "prefix_hit_tokens": cache.hit_tokens - hits if cache is not None else 0,
         "tokens_digest": digest,
     }
     if cuda:
@@ -413,6 +430,18 @@ def main() -> None:
         default=0,
         help="the encoder's token budget a step (0: the server default)",
     )
+    ap.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="prompts share their first N tokens (the warm-up's too: the cache holds them)",
+    )
+    ap.add_argument(
+        "--encoder-prefix-cache-bytes",
+        type=int,
+        default=-1,
+        help="the encoder prefix cache's budget (-1: the server's auto, 0: off)",
+    )
     ap.add_argument("--profile", type=int, default=0, help="profile 2 steps at this batch")
     ap.add_argument(
         "--graphs", choices=("on", "off", "both"), default="both", help="decoder CUDA graphs"
@@ -439,6 +468,7 @@ def main() -> None:
         "steps_per_canvas": args.steps,
         "canvas": int(model.canvas_length),
         "adaptive_stop": "on (never fires with random weights)",
+        "shared_prefix_tokens": args.shared_prefix,
     }
     floor = weight_floor(model)
     floor["floor_decode_tok_s"] = model.canvas_length / args.steps / (floor["floor_ms"] / 1e3)
@@ -467,8 +497,13 @@ def main() -> None:
         max_step_tokens=1 << 24,
         max_queue=4 * max(batches),
         **({"encode_step_tokens": args.encode_step_tokens} if args.encode_step_tokens else {}),
+        encoder_prefix_cache_bytes=(
+            None if args.encoder_prefix_cache_bytes < 0 else args.encoder_prefix_cache_bytes
+        ),
     )
     engine = Engine(cfg, loaded)
+    cache = engine.runner.prefix_cache
+    report["conditions"]["encoder_prefix_cache_bytes"] = cache.budget_bytes if cache else 0
     timers = Timers(model, loaded.device.type == "cuda")
     timers.runner = engine.runner
     graph = engine.runner.decode_graph
