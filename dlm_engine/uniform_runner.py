@@ -151,9 +151,12 @@ class UniformRunner:
             if hashes is None or row.cache.length < row.cache.record_upto:
                 continue
             del self._chunk_hashes[seq.request_id]
-            keys, values = row.cache.take_recorded()
             start = seq.cached_tokens // self.prefix_cache.chunk_tokens
-            self.prefix_cache.insert(hashes, keys, values, start)
+            recorded = row.cache.take_recorded(
+                (len(hashes) - start) * self.prefix_cache.chunk_tokens
+            )
+            if recorded is not None:
+                self.prefix_cache.insert(hashes, *recorded, start)
 
     def step(self, seqs: list[Sequence], look_ahead: bool = True) -> list[list[int] | None]:
         """One step for every row: each row's finished canvas, [] while it goes on, or None

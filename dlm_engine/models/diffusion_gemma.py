@@ -482,13 +482,15 @@ class RowCache:
         if n > 0:
             self.recorded[i].append((k[:, :n].clone(), v[:, :n].clone()))
 
-    def take_recorded(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The recorded keys and values per layer [KV, N, d], and recording stops."""
-        keys = [torch.cat([k for k, _ in parts], 1) for parts in self.recorded]
-        values = [torch.cat([v for _, v in parts], 1) for parts in self.recorded]
-        self.recorded = [[] for _ in self.recorded]
+    def take_recorded(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """The recorded keys and values per layer [KV, n, d] (None unless every layer holds
+        `n` positions: an encode failed part-way), and recording stops."""
+        parts, self.recorded = self.recorded, [[] for _ in self.recorded]
         self.record_upto = 0
-        return keys, values
+        if any(sum(k.shape[1] for k, _ in layer) != n for layer in parts):
+            return None
+        keys = [torch.cat([k for k, _ in layer], 1) for layer in parts]
+        return keys, [torch.cat([v for _, v in layer], 1) for layer in parts]
 
     def layer(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.keys[i], self.values[i]

@@ -123,7 +123,7 @@ def test_a_filled_cache_equals_an_encode_of_the_prefix(ckpt):
         source.record_upto = len(hashes) * chunk
         for start in range(0, len(prompt), 7):  # in chunks, another row packed before it
             model.encode([(ids[:3], RowCache(len(layers))), (ids[start : start + 7], source)])
-        store.insert(hashes, *source.take_recorded())
+        store.insert(hashes, *source.take_recorded(len(hashes) * chunk))
         for cut in sorted({chunk, len(hashes) // 2 * chunk, len(hashes) * chunk}):
             hit = store.match(store.hashes(prompt[:cut], None))
             assert len(hit) == cut // chunk
@@ -307,3 +307,20 @@ def test_a_prompt_cached_whole_starts_denoising_at_once(ckpt, monkeypatch):
     assert calls == [] and engine.runner.rows["b"].forwards == 1
     second = _run(engine, {})["b"]
     assert second.cached_tokens == len(prompt) and second.token_ids == first.token_ids
+
+
+def test_a_recording_cut_short_stores_nothing():
+    """Chunks are stored only when every layer recorded every position (an encode that
+    failed part-way leaves some layers short)."""
+    cache = RowCache(3)
+    cache.record_upto = 8
+    k = torch.randn(2, 10, 4)
+    for i in range(3):
+        cache.note(i, 0, k, k)
+    assert [len(r) for r in cache.recorded] == [1, 1, 1]
+    keys, _ = cache.take_recorded(8)
+    assert [t.shape[1] for t in keys] == [8, 8, 8] and torch.equal(keys[0], k[:, :8])
+    assert cache.record_upto == 0 and cache.recorded == [[], [], []]
+    cache.record_upto = 8
+    cache.note(0, 0, k, k)  # layers 1 and 2 never reached
+    assert cache.take_recorded(8) is None and cache.record_upto == 0
