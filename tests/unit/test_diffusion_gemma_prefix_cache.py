@@ -21,6 +21,7 @@ import torch
 
 from dlm_engine.decoding.uniform_diffusion import generate
 from dlm_engine.encoder_prefix import CPU_BYTES, EncoderPrefixCache, fill
+from dlm_engine.errors import InvalidRequestError
 from dlm_engine.models.diffusion_gemma import RowCache
 from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
 
@@ -233,6 +234,9 @@ def test_a_different_cache_salt_never_shares(ckpt, monkeypatch):
     assert cached("tenant-b") == whole
     assert cached(None) == whole
     assert engine.runner.prefix_cache.hit_tokens == 3 * whole
+    with pytest.raises(InvalidRequestError) as err:  # validated as for the other families
+        engine.resolve_params({"seed": 1, "cache_salt": ""})
+    assert err.value.field == "cache_salt"
 
 
 def test_least_recently_used_chunks_go_first_under_a_tiny_budget(ckpt):
