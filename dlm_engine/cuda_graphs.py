@@ -141,20 +141,26 @@ class GraphCache:
             with torch.inference_mode():
                 out = fn(static)
             return self._keep(key, _Captured(EagerGraph(fn, static, out), static, out))
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side), torch.inference_mode():
-            for _ in range(self.warmups):  # warm up on a side stream, as capture requires
-                fn(static)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        if self.mempool is None:
-            self.mempool = torch.cuda.graph_pool_handle()
-        with (
-            torch.inference_mode(),
-            torch.cuda.graph(graph, pool=self.mempool, capture_error_mode=self.capture_error_mode),
-        ):
-            out = fn(static)
+        # `torch.cuda.graph` captures on a stream of the thread's current device: a model on
+        # another GPU than the current one (a data-parallel replica on cuda:1) would record an
+        # empty graph, so the capture runs with the model's device current
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side), torch.inference_mode():
+                for _ in range(self.warmups):  # warm up on a side stream, as capture requires
+                    fn(static)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            if self.mempool is None:
+                self.mempool = torch.cuda.graph_pool_handle()
+            with (
+                torch.inference_mode(),
+                torch.cuda.graph(
+                    graph, pool=self.mempool, capture_error_mode=self.capture_error_mode
+                ),
+            ):
+                out = fn(static)
         return self._keep(key, _Captured(graph, static, out))
 
     def _keep(self, key: tuple, entry: _Captured) -> _Captured:

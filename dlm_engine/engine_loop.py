@@ -12,6 +12,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
+
 from .engine import Engine
 from .outputs import RequestOutput
 from .sampling_params import ResolvedParams
@@ -68,6 +70,12 @@ class EngineLoop:
 
     def _run(self) -> None:
         use_threads(self.torch_threads)
+        device = self.engine.loaded.device
+        if device.type == "cuda":
+            # the current device is per thread: make this thread's the engine's GPU, so that
+            # streams, events and graphs made without a device land on it (a data-parallel
+            # replica runs on cuda:1 while every thread starts on cuda:0)
+            torch.cuda.set_device(device)
         while not self._stop.is_set():
             self._drain_inbox(block=not self.engine.has_unfinished())
             if self.engine.scheduler.opens_phase():
