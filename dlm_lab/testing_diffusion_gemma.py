@@ -202,3 +202,34 @@ def make_tiny_diffusion_gemma(
     }
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return out
+
+
+def served_alone(engine: Any, prompt: list[int], params: dict[str, Any]) -> list[int]:
+    """A request alone through the sampler, no batching, budget or prefix cache (proven
+    equal to transformers' generate in tests/unit/test_diffusion_gemma.py), cut as the
+    served text is: at its first stop token."""
+    from dataclasses import replace
+
+    from dlm_engine.decoding.uniform_diffusion import generate
+
+    resolved = engine.resolve_params(params)
+    canvas = engine.loaded.model.canvas_length
+    settings = replace(resolved.uniform, canvases=-(-resolved.max_tokens // canvas))
+    tokens = generate(
+        engine.loaded.model, [prompt], [settings], [params["seed"]], sorted(engine.stop_ids)
+    )[0][: resolved.max_tokens]
+    return next((tokens[:i] for i, t in enumerate(tokens) if t in engine.stop_ids), tokens)
+
+
+def spy_encoder(engine: Any, monkeypatch: Any) -> list[list[int]]:
+    """Records each encoder forward of the engine's DiffusionGemma model as its span lengths."""
+    model = engine.runner.model
+    calls: list[list[int]] = []
+    real = model.encode
+
+    def spy(spans: list) -> Any:
+        calls.append([int(ids.numel()) for ids, _ in spans])
+        return real(spans)
+
+    monkeypatch.setattr(model, "encode", spy)
+    return calls

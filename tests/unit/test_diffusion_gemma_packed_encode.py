@@ -11,15 +11,13 @@ the caches are compared to float32 rounding, the tokens exactly.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from dlm_engine.decoding.uniform_diffusion import generate
 from dlm_engine.models.diffusion_gemma import RowCache
-from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
+from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma, served_alone, spy_encoder
 
 pytest.importorskip("transformers")
 
@@ -59,34 +57,6 @@ def _prompt(engine, text: str) -> list[int]:
     return engine.encode_prompt(messages=[{"role": "user", "content": text}])
 
 
-def _alone(engine, prompt: list[int], params: dict) -> list[int]:
-    """The request alone through the sampler with no budget (proven equal to transformers'
-    generate in test_diffusion_gemma.py), cut as served text is."""
-    resolved = engine.resolve_params(params)
-    settings = replace(resolved.uniform, canvases=-(-resolved.max_tokens // CANVAS))
-    tokens = generate(
-        engine.loaded.model, [prompt], [settings], [params["seed"]], sorted(engine.stop_ids)
-    )[0][: resolved.max_tokens]
-    for i, t in enumerate(tokens):
-        if t in engine.stop_ids:
-            return tokens[:i]
-    return tokens
-
-
-def _spy_encode(engine, monkeypatch) -> list[list[int]]:
-    """Record each encoder forward's span lengths."""
-    model = engine.runner.model
-    calls: list[list[int]] = []
-    real = model.encode
-
-    def spy(spans):
-        calls.append([int(ids.numel()) for ids, _ in spans])
-        return real(spans)
-
-    monkeypatch.setattr(model, "encode", spy)
-    return calls
-
-
 def _run(engine, reqs: dict[str, tuple[list[int], dict]]) -> dict[str, object]:
     for rid, (prompt, params) in reqs.items():
         engine.add_request(rid, prompt, params)
@@ -99,7 +69,7 @@ def _run(engine, reqs: dict[str, tuple[list[int], dict]]) -> dict[str, object]:
 
 
 def test_rows_admitted_together_are_encoded_in_one_forward(wide, monkeypatch):
-    calls = _spy_encode(wide, monkeypatch)
+    calls = spy_encoder(wide, monkeypatch)
     reqs = {
         "a": (_prompt(wide, "hi there"), {"seed": 1, "max_tokens": 40}),
         "b": (_prompt(wide, "What is 12 + 7? Answer briefly."), {"seed": 3, "max_tokens": 20}),
@@ -120,13 +90,13 @@ def test_rows_admitted_together_are_encoded_in_one_forward(wide, monkeypatch):
     spans = sum(len(c) for c in calls)
     assert len(calls) <= wide.total_forwards and len(calls) < spans
     for rid, (prompt, params) in reqs.items():
-        want = _alone(wide, prompt, params)
+        want = served_alone(wide, prompt, params)
         assert final[rid].token_ids[: len(want)] == want, rid
         assert final[rid].finish_reason in ("stop", "length")
 
 
 def test_long_prompt_encoded_in_chunks_while_others_keep_stepping(narrow, monkeypatch):
-    calls = _spy_encode(narrow, monkeypatch)
+    calls = spy_encoder(narrow, monkeypatch)
     short = _prompt(narrow, "hi")
     long = _prompt(narrow, LONG)
     assert len(long) > 10 * 7
@@ -155,7 +125,7 @@ def test_long_prompt_encoded_in_chunks_while_others_keep_stepping(narrow, monkey
     assert sum(1 for c in calls if c) >= len(long) // 7
     assert stepped_while_long_encoded >= len(long) // 7 - 3
     for rid, prompt, params in (("short", short, short_params), ("long", long, long_params)):
-        want = _alone(narrow, prompt, params)
+        want = served_alone(narrow, prompt, params)
         assert final[rid].token_ids[: len(want)] == want, rid
 
 
@@ -238,7 +208,7 @@ def test_rows_joining_and_cancelled_mid_flight_under_a_small_budget(narrow):
         step(1)
     assert final["a"].finish_reason == "abort" and final["e"].finish_reason == "abort"
     for rid in "bcd":
-        want = _alone(narrow, *reqs[rid])
+        want = served_alone(narrow, *reqs[rid])
         assert final[rid].token_ids[: len(want)] == want, rid
 
 
@@ -254,7 +224,7 @@ def test_admission_counts_a_row_s_canvas_not_its_prompt(ckpt, monkeypatch):
             model=str(ckpt), device="cpu", dtype="float32", max_rows=4, max_step_tokens=4 * CANVAS
         )
     )
-    calls = _spy_encode(engine, monkeypatch)
+    calls = spy_encoder(engine, monkeypatch)
     texts = ["hi there", "abc", "sort 4 2 9", "What is 12 + 7?"]
     prompts = [_prompt(engine, t) for t in texts]
     assert all(len(p) + 32 > 4 * CANVAS // 2 for p in prompts)  # prompt + canvas: one fits
@@ -267,5 +237,5 @@ def test_admission_counts_a_row_s_canvas_not_its_prompt(ckpt, monkeypatch):
     while engine.has_unfinished():
         final |= {o.request_id: o for o in engine.step() if o.finished}
     for i, p in enumerate(prompts):
-        want = _alone(engine, p, {"seed": i, "max_tokens": 32})
+        want = served_alone(engine, p, {"seed": i, "max_tokens": 32})
         assert final[str(i)].token_ids[: len(want)] == want

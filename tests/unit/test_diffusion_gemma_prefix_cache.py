@@ -13,17 +13,15 @@ chunk edges.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from dlm_engine.decoding.uniform_diffusion import generate
 from dlm_engine.encoder_prefix import CPU_BYTES, EncoderPrefixCache, fill
 from dlm_engine.errors import InvalidRequestError
 from dlm_engine.models.diffusion_gemma import RowCache
-from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
+from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma, served_alone, spy_encoder
 
 pytest.importorskip("transformers")
 
@@ -68,31 +66,6 @@ def _run(engine, reqs: dict[str, tuple[list[int], dict]]) -> dict[str, object]:
     while engine.has_unfinished():
         final |= {o.request_id: o for o in engine.step() if o.finished}
     return final
-
-
-def _alone(engine, prompt: list[int], params: dict) -> list[int]:
-    """The request alone through the sampler, no cache (equal to transformers' generate,
-    test_diffusion_gemma.py), cut as served text is."""
-    resolved = engine.resolve_params(params)
-    settings = replace(resolved.uniform, canvases=-(-resolved.max_tokens // CANVAS))
-    tokens = generate(
-        engine.loaded.model, [prompt], [settings], [params["seed"]], sorted(engine.stop_ids)
-    )[0][: resolved.max_tokens]
-    return next((tokens[:i] for i, t in enumerate(tokens) if t in engine.stop_ids), tokens)
-
-
-def _spy_encode(engine, monkeypatch) -> list[list[int]]:
-    """Each encoder forward's span lengths."""
-    model = engine.runner.model
-    calls: list[list[int]] = []
-    real = model.encode
-
-    def spy(spans):
-        calls.append([int(ids.numel()) for ids, _ in spans])
-        return real(spans)
-
-    monkeypatch.setattr(model, "encode", spy)
-    return calls
 
 
 def _shared(prompts: list[list[int]]) -> int:
@@ -163,7 +136,7 @@ def test_hits_give_the_tokens_of_the_cache_off(ckpt, monkeypatch):
     }
     results = {}
     for name, engine in (("on", on), ("off", off)):
-        calls = _spy_encode(engine, monkeypatch)
+        calls = spy_encoder(engine, monkeypatch)
         engine.add_request("0", *reqs["0"])
         final = {}
         while engine.runner.rows.get("0") is None or engine.runner.rows["0"].encoding:
@@ -181,7 +154,9 @@ def test_hits_give_the_tokens_of_the_cache_off(ckpt, monkeypatch):
         got = results["on"][rid]
         assert got.token_ids == results["off"][rid].token_ids, rid
         if rid in "02":
-            assert got.token_ids[: len(_alone(on, prompt, params))] == _alone(on, prompt, params)
+            assert got.token_ids[: len(served_alone(on, prompt, params))] == served_alone(
+                on, prompt, params
+            )
         assert got.cached_tokens == (0 if rid == "0" else shared), rid
         assert results["off"][rid].cached_tokens == 0
     # the first row encodes its whole prompt either way; each later one 'shared' fewer
@@ -215,7 +190,7 @@ def test_a_hit_serves_transformers_tokens(ckpt):
 
 def test_a_different_cache_salt_never_shares(ckpt, monkeypatch):
     engine = _engine(ckpt, 1 << 20, step_tokens=8192)
-    calls = _spy_encode(engine, monkeypatch)
+    calls = spy_encoder(engine, monkeypatch)
     prompt = _prompt(engine, "hi there, you")
     assert len(prompt) % CHUNK  # a prompt forward after the hit, even when all chunks hit
     whole = len(prompt) // CHUNK * CHUNK
@@ -270,7 +245,7 @@ def test_budget_zero_turns_it_off_and_auto_is_modest_on_cpu(ckpt, monkeypatch):
 
     off = _engine(ckpt, 0, step_tokens=8192)
     assert off.runner.prefix_cache is None
-    calls = _spy_encode(off, monkeypatch)
+    calls = spy_encoder(off, monkeypatch)
     prompt = _prompt(off, "hi there")
     for rid in ("a", "b"):
         calls.clear()
@@ -305,7 +280,7 @@ def test_a_prompt_cached_whole_starts_denoising_at_once(ckpt, monkeypatch):
     prompt = prompt[: len(prompt) // CHUNK * CHUNK]
     params = {"seed": 4, "max_tokens": 16}
     first = _run(engine, {"a": (prompt, params)})["a"]
-    calls = _spy_encode(engine, monkeypatch)
+    calls = spy_encoder(engine, monkeypatch)
     engine.add_request("b", prompt, params)
     engine.step()
     assert calls == [] and engine.runner.rows["b"].forwards == 1
