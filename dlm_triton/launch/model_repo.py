@@ -167,10 +167,12 @@ def place_instances(
 ) -> str:
     """`config_text` with one KIND_GPU instance on each GPU of `gpus` (Triton hands each its
     GPU as its device; a tensor-parallel engine takes the next ones too), or, without `gpus`,
-    `count` KIND_CPU instances."""
+    `count` KIND_CPU instances. Each GPU gets a group of its own: Triton names an instance by
+    its group and its index in it, so one group over several GPUs would name every replica
+    `<model>_0_0`, and their metrics (labelled by instance) would merge."""
     if gpus is not None:
-        ids = ", ".join(str(g) for g in gpus)
-        line, kind = f"instance_group [ {{ count: 1, kind: KIND_GPU, gpus: [ {ids} ] }} ]", "GPU"
+        groups = ", ".join(f"{{ count: 1, kind: KIND_GPU, gpus: [ {g} ] }}" for g in gpus)
+        line, kind = f"instance_group [ {groups} ]", "GPU"
     else:
         line, kind = f"instance_group [ {{ count: {count}, kind: KIND_CPU }} ]", "CPU"
     found = _INSTANCE_GROUP.findall(config_text)

@@ -44,7 +44,11 @@ def _spec_text(kind: str) -> str:
 
 def test_place_instances_rewrites_the_one_instance_group() -> None:
     gpu = model_repo.place_instances(_spec_text("KIND_GPU"), "m", gpus=[0, 2])
-    assert "instance_group [ { count: 1, kind: KIND_GPU, gpus: [ 0, 2 ] } ]" in gpu
+    # a group per GPU: Triton names the instances m_0_0 and m_1_0, so their metrics differ
+    assert (
+        "instance_group [ { count: 1, kind: KIND_GPU, gpus: [ 0 ] }, "
+        "{ count: 1, kind: KIND_GPU, gpus: [ 2 ] } ]"
+    ) in gpu
     assert gpu.count("instance_group") == 1
     cpu = model_repo.place_instances(_spec_text("KIND_CPU"), "m", count=3)
     assert "instance_group [ { count: 3, kind: KIND_CPU } ]" in cpu
@@ -84,7 +88,7 @@ def test_launcher_places_tensor_parallel_groups(monkeypatch: pytest.MonkeyPatch)
         runtime = server.choice.repository
         assert runtime != committed and server.choice.runtime_dir == runtime
         config = (runtime / "tiny-dlm" / "config.pbtxt").read_text()
-        assert "gpus: [ 0, 2 ]" in config
+        assert "gpus: [ 0 ] }, { count: 1, kind: KIND_GPU, gpus: [ 2 ]" in config
         assert server.placement == {"tiny-dlm": [0, 2]}
         model_py = runtime / "tiny-dlm" / "1"
         assert model_py.is_symlink() and model_py.resolve() == (committed / "tiny-dlm" / "1")
