@@ -12,8 +12,9 @@ server:
   states, grammar size. A compile over them fails; a token step over them puts the matcher in
   an error state, which fails that request alone.
 * **A measured budget** (`TOKEN_BUDGET_MS`, `STEP_BUDGET_MS`): the first tokens of a constraint
-  are walked once at validation and their thread CPU time taken; a constraint whose tokens cost
-  more than the budget is refused up front (`structured.py`).
+  are walked at validation and their thread CPU time taken; a constraint whose tokens cost more
+  than the budget is refused up front (`structured.py`). A walk over the budget is repeated
+  (timing noise only adds time), so a cheap constraint on a busy machine is not refused.
 
 Every refusal is an `InvalidRequestError` naming the request field; llguidance's messages are cut
 to their first line (no parser state).
@@ -63,6 +64,7 @@ def _env_ms(name: str, default: float) -> float:
 TOKEN_BUDGET_MS = _env_ms("DLM_CONSTRAINT_TOKEN_BUDGET_MS", 2.0)
 STEP_BUDGET_MS = _env_ms("DLM_CONSTRAINT_STEP_BUDGET_MS", 16.0)
 PROBE_TOKENS = 16  # tokens walked at validation
+PROBE_WALKS = 3  # walks of those tokens at most; each token is judged by its cheapest walk
 ONE_TOKEN_LIMIT = 25  # no single token of the walk may cost more than this many budgets
 
 

@@ -196,6 +196,26 @@ class Compiled:
     token_ms: float
 
 
+def _typical_over_budget(costs: list[float]) -> bool:
+    return statistics.median_low(costs) * 1e3 > limits.TOKEN_BUDGET_MS
+
+
+def _cheapest(best: list[float], costs: list[float]) -> list[float]:
+    """Each token's cheapest time over two walks (a walk stopped early is shorter)."""
+    return [
+        min(walk[i] for walk in (best, costs) if i < len(walk))
+        for i in range(max(len(best), len(costs)))
+    ]
+
+
+def _over_budget(costs: list[float]) -> bool:
+    """The typical token over the budget, or one token over `ONE_TOKEN_LIMIT` budgets."""
+    if not costs:
+        return False
+    worst_ms = max(costs) * 1e3
+    return _typical_over_budget(costs) or worst_ms > limits.TOKEN_BUDGET_MS * limits.ONE_TOKEN_LIMIT
+
+
 class GrammarCompiler:
     """llguidance's view of one model's tokenizer, made once and shared by all requests.
 
@@ -278,14 +298,39 @@ class GrammarCompiler:
             raise InvalidRequestError(field, f"pattern {pattern[:60]!r}: {exc.reason}") from None
 
     def _probe(self, field: str, matcher: llguidance.LLMatcher) -> float:
-        """Walk up to `PROBE_TOKENS` tokens (random allowed ones, fixed seed), timing each mask
-        and consume in thread CPU time (a busy machine's waits do not count); raise on a
-        failure, when the typical token (the lower median: the first mask also builds lexer
-        states once) is over the budget, or when one token is over `ONE_TOKEN_LIMIT` budgets.
-        Returns the typical token's cost in ms."""
+        """Judge the constraint's CPU cost a token on up to `PROBE_WALKS` walks of the same
+        tokens; raise on a failure, when the typical token (the lower median: the first mask
+        also builds lexer states once) is over the budget, or when one token is over
+        `ONE_TOKEN_LIMIT` budgets. Returns the typical token's cost in ms.
+
+        Timing noise only ever adds time (another process on the core, a hypervisor's stolen
+        time counted as the thread's), so a walk judged over the budget is walked again on a
+        fresh copy and each token keeps its cheapest time: a costly constraint is costly on
+        every walk, a cheap one measured on a busy machine is not refused for the noise."""
+        best: list[float] = []
+        for _ in range(limits.PROBE_WALKS):
+            costs = self._walk(field, matcher.deep_copy())
+            best = _cheapest(best, costs)
+            if not _over_budget(best):
+                break
+        typical_ms = statistics.median_low(best) * 1e3 if best else 0.0
+        worst_ms = max(best, default=0.0) * 1e3
+        if _over_budget(best):
+            raise InvalidRequestError(
+                field,
+                f"costs {max(typical_ms, worst_ms / limits.ONE_TOKEN_LIMIT):.1f} ms of CPU a "
+                f"token to enforce, over this server's budget of {limits.TOKEN_BUDGET_MS:g} ms: "
+                "simplify it (smaller counted repetitions, fewer alternatives or rules)",
+            )
+        return typical_ms
+
+    def _walk(self, field: str, matcher: llguidance.LLMatcher) -> list[float]:
+        """Walk up to `PROBE_TOKENS` tokens (random allowed ones, fixed seed: every walk takes
+        the same path), timing each mask and consume in thread CPU time (a busy machine's
+        waits do not count); stop early once the typical token is over the budget. Raises
+        when the constraint fails on these tokens."""
         rng = random.Random(0)
         bitmask = llnp.allocate_token_bitmask(1, self.ll_tokenizer.vocab_size)
-        budget_s = limits.TOKEN_BUDGET_MS / 1e3
         costs: list[float] = []
         for _ in range(limits.PROBE_TOKENS):
             t0 = time.thread_time()
@@ -297,23 +342,11 @@ class GrammarCompiler:
             if len(allowed):
                 matcher.consume_token(int(rng.choice(allowed)))
             costs.append(time.thread_time() - t0)
-            over = len(costs) >= 3 and statistics.median_low(costs) > budget_s
+            over = len(costs) >= 3 and _typical_over_budget(costs)
             if not len(allowed) or matcher.is_error() or over:
                 break  # the end, a failure, or already over the budget: walk no further
         if matcher.is_error():
             raise InvalidRequestError(
                 field, f"cannot be enforced: {limits.first_line(matcher.get_error())}"
             )
-        typical_ms = statistics.median_low(costs) * 1e3 if costs else 0.0
-        worst_ms = max(costs, default=0.0) * 1e3
-        if (
-            typical_ms > limits.TOKEN_BUDGET_MS
-            or worst_ms > limits.TOKEN_BUDGET_MS * limits.ONE_TOKEN_LIMIT
-        ):
-            raise InvalidRequestError(
-                field,
-                f"costs {max(typical_ms, worst_ms / limits.ONE_TOKEN_LIMIT):.1f} ms of CPU a "
-                f"token to enforce, over this server's budget of {limits.TOKEN_BUDGET_MS:g} ms: "
-                "simplify it (smaller counted repetitions, fewer alternatives or rules)",
-            )
-        return typical_ms
+        return costs

@@ -254,34 +254,57 @@ def test_tokens_per_step(engine: Engine) -> None:
 
 
 class _Clock:
-    """thread_time() for the walk: token i costs `costs[i]` seconds."""
+    """thread_time() for the probe: token i of walk w costs `walks[w][i]` seconds (the last
+    walk's costs repeat for any later walk)."""
 
-    def __init__(self, costs: list[float]) -> None:
-        self.costs, self.now, self.calls = costs, 0.0, 0
+    def __init__(self, walks: list[list[float]]) -> None:
+        self.walks, self.walk, self.now, self.calls = walks, -1, 0.0, 0
+
+    def start_walk(self) -> None:
+        self.walk, self.calls = self.walk + 1, 0
 
     def __call__(self) -> float:
         if self.calls % 2:  # the second read of a token: its cost has passed
-            self.now += self.costs[min(self.calls // 2, len(self.costs) - 1)]
+            costs = self.walks[min(self.walk, len(self.walks) - 1)]
+            self.now += costs[min(self.calls // 2, len(costs) - 1)]
         self.calls += 1
         return self.now
 
 
+CHEAP = [0.05] * 16
+SPIKE = [0.05] * 8 + [60.0] + [0.05] * 7
+
+
 @pytest.mark.parametrize(
-    ("costs_ms", "accepted"),
+    ("walks_ms", "accepted"),
     [
-        ([30.0] + [0.05] * 15, True),  # a first mask that builds lexer states, then cheap
-        ([3.0] * 16, False),  # every token over the 2 ms budget
-        ([0.05] * 8 + [60.0] + [0.05] * 7, False),  # one token over 25 budgets
+        ([[30.0] + [0.05] * 15], True),  # a first mask that builds lexer states, then cheap
+        ([[3.0] * 16], False),  # every token over the 2 ms budget, on every walk
+        ([SPIKE], False),  # one token over 25 budgets, on every walk
+        ([[3.0] * 16, CHEAP], True),  # a busy machine's first walk; the second is cheap
+        ([SPIKE, CHEAP], True),  # one token slowed once by noise
+        ([[3.0] * 16, [3.0] * 16, CHEAP], True),  # the third walk is the last one taken
+        ([[3.0] * 16, [3.0] * 16, [3.0] * 16, CHEAP], False),  # over on all three walks
     ],
 )
 def test_the_walk_judges_the_typical_token(
-    engine: Engine, monkeypatch, costs_ms: list[float], accepted: bool
+    engine: Engine, monkeypatch, walks_ms: list[list[float]], accepted: bool
 ) -> None:
     fresh = GrammarCompiler(engine.tokenizer, engine.runner.model_vocab, engine.loaded.eos_id)
-    monkeypatch.setattr(grammar.time, "thread_time", _Clock([c / 1e3 for c in costs_ms]))
+    clock = _Clock([[c / 1e3 for c in walk] for walk in walks_ms])
+    monkeypatch.setattr(grammar.time, "thread_time", clock)
+    walk = GrammarCompiler._walk
+
+    def timed_walk(self, *args):
+        clock.start_walk()
+        return walk(self, *args)
+
+    monkeypatch.setattr(GrammarCompiler, "_walk", timed_walk)
     c = parse_constraint({"regex": "[a-z]{20}"})  # 16 tokens to walk
     if accepted:
         assert fresh.check(c).token_ms == pytest.approx(0.05)
+        assert clock.walk + 1 == len(walks_ms)  # no walk after the first one within budget
     else:
         with pytest.raises(InvalidRequestError, match="ms of CPU a token"):
             fresh.check(c)
+        assert clock.walk + 1 == constraint_limits.PROBE_WALKS  # refused only after every walk
