@@ -59,6 +59,7 @@ _WATCHED = (
     "dlm_rows_per_step_count",
     "dlm_step_duration_seconds_sum",
     "dlm_step_duration_seconds_count",
+    "dlm_cuda_graph_captures_total",
 )
 
 
@@ -239,12 +240,14 @@ def run_round(
         "chunks_per_request": sum(r["chunks"] for r in results) / n,
     }
     if before and after:
-        d = {k: after[k] - before[k] for k in _WATCHED}
+        d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _WATCHED}
         steps = d["dlm_rows_per_step_count"]
         row["engine_steps"] = int(steps)
         row["mean_rows_per_step"] = d["dlm_rows_per_step_sum"] / steps if steps else None
         ss = d["dlm_step_duration_seconds_count"]
         row["mean_step_ms"] = 1e3 * d["dlm_step_duration_seconds_sum"] / ss if ss else None
+        # graphs captured inside the measured round: each is an eager forward plus a capture
+        row["graph_captures"] = int(d["dlm_cuda_graph_captures_total"])
     if by_instance_after:  # the last responses may be counted just after the client saw them
         row["requests_by_instance"] = {
             k: int(v - by_instance.get(k, 0.0)) for k, v in sorted(by_instance_after.items())
@@ -295,7 +298,8 @@ def print_row(row: dict, max_tokens: int) -> None:
         f"{(f'{rows_ps:.1f}' if rows_ps else '-'):>10}"
         f"{(f'{step_ms:.1f}' if step_ms else '-'):>9}"
         f"{row['wall_s']:>8.2f}  {row['warmup_s']:.1f}  "
-        f"{list(row.get('requests_by_instance', {}).values())}",
+        f"{list(row.get('requests_by_instance', {}).values())}  "
+        f"captures {row.get('graph_captures', '-')}",
         flush=True,
     )
     if row["tokens_per_request"] != [max_tokens]:

@@ -306,6 +306,13 @@ class Engine:
         """Mark a request to leave before the next step (a final `abort` output follows)."""
         self._aborted.append(request_id)
 
+    def fault(self) -> str | None:
+        """Why this engine can serve no request any more, or None: a tensor-parallel worker
+        rank exited, or a forward failed part-way and left the ranks out of step. Only a new
+        engine (a restarted model) mends it, so a server reports the model dead on it."""
+        fault = getattr(self.loaded.model, "fault", None)
+        return fault() if fault is not None else None
+
     def has_unfinished(self) -> bool:
         return bool(
             self.scheduler.running or self.scheduler.waiting or self._aborted or self._scoring

@@ -86,6 +86,7 @@ class ModelRunner:
         make = getattr(model, "graph_cache", None) or GraphCache
         self.graphs = make(device, max_cuda_graphs) if use_graphs else None
         self.graph_max_tokens = cuda_graph_max_tokens  # larger steps run eagerly (0: none do)
+        self._captures_before_off = 0  # captures of a cache turned off by a failed capture
         # the last step's plan and what it was made for: an in-block step whose rows did not
         # move reuses its index tensors (ragged.plan_key; building them is host time a batch-1
         # step notices), and the graph's static inputs then need only the new tokens
@@ -115,6 +116,15 @@ class ModelRunner:
         # block-diffusion rows' page tables over a page pool (`use_pages`)
         self.block_pages: BlockPages | None = None
 
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graphs captured so far: each is an eager forward and a capture paid inside a
+        step. Captures that go on under steady traffic mean step shapes keep changing (new row
+        counts, a KV pool that grew and dropped every graph)."""
+        if self.graphs is None:
+            return self._captures_before_off
+        return self.graphs.captures
+
     # ---- the forward ------------------------------------------------------------------------
     def _run(self, key: tuple, fn, inputs: dict[str, torch.Tensor], layout: Layout) -> torch.Tensor:
         whole = any(group == "fresh" for group, *_ in layout)  # exact rows, block-start refreshes
@@ -125,6 +135,7 @@ class ModelRunner:
                 return self.graphs.run(key, fn, inputs)
             except RuntimeError as exc:  # e.g. a quantized kernel that cannot be captured
                 log.warning("CUDA graph capture failed, running eagerly from now on: %s", exc)
+                self._captures_before_off = self.graphs.captures
                 self.graphs = None
                 self._last_graphed = False
         with torch.inference_mode():

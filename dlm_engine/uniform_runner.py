@@ -66,6 +66,11 @@ class UniformRunner:
         graphs = self.device.type == "cuda" and getattr(self.model, "graph_steps", True)
         self.decode_graph = DecodeGraph(self.model) if graphs else None
 
+    @property
+    def graph_captures(self) -> int:
+        """Decoder CUDA graphs captured so far (`ModelRunner.graph_captures`)."""
+        return self.decode_graph.captures if self.decode_graph is not None else 0
+
     # the scheduler's and engine's hooks; nothing to reserve or look ahead
     def admit(self, seq: Sequence) -> bool:
         return True

@@ -759,6 +759,11 @@ class DecodeGraph:
         self.replays += 1
         return out
 
+    @property
+    def captures(self) -> int:
+        """Decoder graphs captured so far."""
+        return self._graphs.captures if self._graphs is not None else 0
+
 
 VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 TIED_PREFIXES = ("model.encoder.language_model.", "lm_head.")

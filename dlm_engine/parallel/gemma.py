@@ -127,6 +127,12 @@ class ParallelGemma(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.local.head(h)
 
+    def fault(self) -> str | None:
+        """Why no forward can run any more (`model.group_fault`), or None."""
+        from .model import group_fault
+
+        return group_fault(self)
+
     def _call(self, header: dict[str, Any], tensors: list[torch.Tensor], run):
         from .model import TensorParallelError
 

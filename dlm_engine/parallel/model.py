@@ -27,6 +27,19 @@ from .graphs import ParallelGraphs, WorkerGraphs
 _BATCH_FIELDS = ("input_ids", "positions", "key_mask", "logits_index")
 
 
+def group_fault(model: Any) -> str | None:
+    """Why a rank-0 model (tensor or expert parallel) can run no forward until its group is
+    restarted: a worker rank exited or a node lost one, or a forward failed part-way (the
+    ranks may be out of step); None while it can. Cheap: polls the worker processes."""
+    fault = model.workers.fault()
+    if fault is None and model.broken is not None:
+        fault = (
+            f"a tensor-parallel forward failed part-way ({model.broken}); the ranks may be out of "
+            "step, so this engine runs no forward until it is restarted"
+        )
+    return fault
+
+
 class TensorParallelError(RuntimeError):
     """A rank stopped or failed: the engine cannot run a forward until it is restarted."""
 
@@ -164,6 +177,10 @@ class ParallelLM(nn.Module):
 
     def blocks(self) -> nn.ModuleList:
         return self.local.blocks()
+
+    def fault(self) -> str | None:
+        """Why no forward can run any more (`group_fault`), or None."""
+        return group_fault(self)
 
     def _call(self, header: dict[str, Any], tensors: list[torch.Tensor], run):
         self.workers.check()

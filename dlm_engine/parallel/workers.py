@@ -110,19 +110,27 @@ class WorkerSet:
         """Raise a clear error if any worker has exited (or the set was stopped)."""
         from .model import TensorParallelError
 
+        fault = self.fault()
+        if fault is not None:
+            raise TensorParallelError(fault)
+
+    def fault(self) -> str | None:
+        """Why this group cannot run a forward any more (stopped, a worker exited, a node's
+        rank lost), as text; None while every rank runs."""
         if self.stopped:
-            raise TensorParallelError("the tensor-parallel workers were stopped")
+            return "the tensor-parallel workers were stopped"
         gone = self.gone()
         if gone is not None:
-            raise TensorParallelError(
+            return (
                 f"{gone}; this engine (tensor_parallel_size {self.world}) cannot run a forward "
                 "until it is restarted"
             )
         if self.leader and self.nodes > 1 and self.store.check([LOST_KEY]):
-            raise TensorParallelError(
+            return (
                 f"{self.store.get(LOST_KEY).decode()}; this engine (tensor_parallel_size "
                 f"{self.world} over {self.nodes} nodes) cannot run a forward until it is restarted"
             )
+        return None
 
     def gone(self) -> str | None:
         """Which of the workers started here has exited, as text; None while all run."""

@@ -98,6 +98,13 @@ class Metrics:
             "for good (the compiler failed or hit its recompile limit): each makes steps slower",
             gauge,
         )
+        self.graph_captures = self._metric(
+            "dlm_cuda_graph_captures_total",
+            "CUDA graphs the engine captured (an eager forward and a capture inside one step, "
+            "at the first step of each new shape): still rising under steady traffic means step "
+            "shapes keep changing",
+            counter,
+        )
         self.restarts = self._metric(
             "dlm_model_restarts_total",
             "Times the launcher restarted the server because the model (stub) or server died",

@@ -41,10 +41,13 @@ class StepMetrics:
         every_s: float = STEP_METRICS_EVERY_S,
         steps_per_record: int = STEPS_PER_RECORD,
         fused_fallbacks: Callable[[], int] | None = None,
+        graph_captures: Callable[[], int] | None = None,
     ) -> None:
         self.metrics = metrics
         self.in_flight, self.queue_depth = in_flight, queue_depth
         self.fused_fallbacks = fused_fallbacks
+        self.graph_captures = graph_captures
+        self._totals: dict[str, int] = {}  # counters' running totals, as last recorded
         self.every_s = every_s
         self.steps_per_record = steps_per_record
         self._catching_up = False  # due, and more were buffered than one record takes
@@ -73,6 +76,8 @@ class StepMetrics:
         self._set_gauge("queue_depth", self.queue_depth())
         if self.fused_fallbacks is not None:
             self._set_gauge("fused_fallbacks", self.fused_fallbacks())
+        if self.graph_captures is not None:
+            self._advance_counter("graph_captures", self.graph_captures())
 
     def _record_steps(self, limit: int | None) -> bool:
         """Record up to ``limit`` buffered steps (all if None); True if some are left."""
@@ -90,6 +95,13 @@ class StepMetrics:
         if prefix_tokens is not None:  # running totals: the latest says all
             self.metrics.prefix_cache(*prefix_tokens)
         return limit is not None and recorded == limit and not self._steps.empty()
+
+    def _advance_counter(self, name: str, total: int) -> None:
+        """A counter kept at a running total the engine counts (it never goes back)."""
+        grown = total - self._totals.get(name, 0)
+        if grown > 0:
+            self._totals[name] = total
+            getattr(self.metrics, name).increment(grown)
 
     def _set_gauge(self, name: str, value: int) -> None:
         if self._gauges.get(name) != value:

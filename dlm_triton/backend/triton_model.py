@@ -6,6 +6,12 @@ queue; a sender thread turns them into responses (each ``send()`` is a round tri
 tritonserver, too slow for the engine thread). A watcher thread turns client cancellations into
 ``EngineLoop.cancel``. Every request ends with exactly one
 ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``: on success, error, cancel and shutdown.
+
+An engine that can serve no request any more (a tensor-parallel worker rank exited) is a dead
+model, not a model that fails every request: the watcher sees it (``Engine.fault``), ends the
+requests in flight with the reason, stops the remaining ranks and exits the stub, which is
+how Triton and the launcher's supervisor see a dead model (not ready; the supervisor restarts
+the server, and with it the whole group).
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ DRAIN_TIMEOUT_S = float(os.environ.get("DLM_DRAIN_TIMEOUT", "5"))  # launcher: e
 # Written by the launcher before it stops tritonserver: drain now (see launcher._drain).
 DRAIN_FILE = os.environ.get("DLM_DRAIN_FILE")
 DRAIN_POLL_EVERY = 4  # watcher ticks (0.2 s)
+FAULT_POLL_EVERY = 10  # watcher ticks (0.5 s) between checks that the engine can still serve
+FAULT_EXIT_STATUS = 70  # the stub's exit status when its engine can serve no more
 
 
 @dataclass
@@ -137,6 +145,7 @@ class TritonPythonModel:
             in_flight=lambda: len(self._live),
             queue_depth=lambda: self.loop.queue_depth,
             fused_fallbacks=lambda: len(FusedKernels.fallbacks),
+            graph_captures=lambda: self.engine.runner.graph_captures,
         )
         self._intake = Intake()
         # several instances of this model (one per GPU): new requests go to the least busy
@@ -453,6 +462,10 @@ class TritonPythonModel:
         for tick in itertools.count():
             if self._stop.wait(WATCH_INTERVAL_S):
                 return
+            if tick % FAULT_POLL_EVERY == 0 and not self._closing:  # (stopping stops ranks)
+                fault = self.engine.fault()
+                if fault is not None:
+                    self._exit_on_fault(fault)
             poll = drain_deadline is None and DRAIN_FILE and tick % DRAIN_POLL_EVERY == 0
             if poll and os.path.exists(DRAIN_FILE):
                 self._closing = True
@@ -481,6 +494,27 @@ class TritonPythonModel:
                 if cancelled:
                     live.cancel_requested = True
                     self.loop.cancel(live.rid)
+
+    def _exit_on_fault(self, fault: str) -> None:
+        """The engine can serve no more: refuse new requests, let the running ones fail with
+        the engine's own error for a moment, end the rest with `fault`, stop the worker ranks
+        (by PID, reaped) and exit the stub: the model is then dead to Triton and restarted."""
+        self._closing = True
+        pb_utils.Logger.log_error(
+            f"dlm model {self.model_name}: {fault}; the model process exits so that it is restarted"
+        )
+        deadline = time.monotonic() + 2.0
+        while self._live and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._outbox.put(None)  # the sender sends what is queued, then stops
+        self._sender.join(timeout=5.0)
+        for live in list(self._live.values()):
+            self._fail(live, f"internal error: model unavailable: {fault}")
+        with contextlib.suppress(Exception):
+            self.loop.shutdown(timeout=5.0)  # stops and reaps the worker ranks
+        if self._board is not None:
+            self._board.close()
+        os._exit(FAULT_EXIT_STATUS)
 
 
 class _Refused(Exception):

@@ -182,11 +182,15 @@ def test_proxy_and_model_freeze_their_startup_objects(
     assert metric("dlm_gc_frozen_objects") > 10_000
 
 
-def test_model_reports_its_compiled_kernel_fallbacks(triton_server: TritonServerProcess) -> None:
-    """The gauge a dashboard watches for a silent slow-down: compiled kernels that fell back
-    to eager. It is there, and on the CPU, where nothing is compiled, none fell back."""
+def test_model_reports_kernel_fallbacks_and_graph_captures(
+    triton_server: TritonServerProcess,
+) -> None:
+    """What a dashboard watches for a silent slow-down: compiled kernels that fell back to
+    eager, and CUDA graphs captured inside steps. Both are there, and on the CPU, where
+    nothing is compiled or captured, both are 0."""
     samples = {name: v for (name, _labels), v in scrape(triton_server).items()}
     assert samples["dlm_fused_kernel_fallbacks"] == 0
+    assert samples["dlm_cuda_graph_captures_total"] == 0  # no CUDA graphs on the CPU
 
 
 # ------------------------------------------------------------------------------------------------

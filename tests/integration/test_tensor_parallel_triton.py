@@ -5,12 +5,14 @@ model process while it serves, and stopping the server leaves no worker behind."
 from __future__ import annotations
 
 import os
+import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from dlm_client import DLMClient
+from dlm_client import DLMClient, DLMError
 
 from dlm_engine.config import EngineConfig
 from dlm_engine.engine import Engine
@@ -84,3 +86,38 @@ def test_diffusion_gemma_expert_parallel_through_triton(server_factory, tmp_path
     while _workers_of(ckpt) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _workers_of(ckpt) == []
+
+
+def test_a_killed_worker_rank_restarts_the_model(server_factory, dream_checkpoint: Path) -> None:
+    """kill -9 of the worker rank while a request runs: that request ends with an error naming
+    the rank, the model process exits (Triton's model goes not ready), the supervisor restarts
+    the server with a new group, which answers as before, and no rank is left behind."""
+    params = {"tensor_parallel_size": "2"}
+    server = server_factory(dream_checkpoint, name="tiny-dream-tp-kill", engine_params=params)
+    server.supervise()
+    client = DLMClient(server.urls["grpc"], server.model_name, http_url=server.urls["http"])
+    keys = {"max_tokens": 16, "steps": 16}
+    expected = client.generate("2+2?", **keys).text
+    (worker,) = _workers_of(dream_checkpoint)
+    long = {"max_tokens": 512, "steps": 512, "suppress_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(lambda: client.generate("Count.", **long))
+        time.sleep(2.0)  # in flight
+        os.kill(worker, signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(DLMError, match=rf"worker rank 1 \(pid {worker}\) exited"):
+            running.result(timeout=60)
+    assert time.monotonic() - killed_at < 30
+    deadline = time.monotonic() + 180
+    while server.restarts < 1 or not server.restart_log:
+        assert time.monotonic() < deadline, "the supervisor never restarted the model"
+        time.sleep(0.2)
+    assert "died" in str(server.restart_log[-1]["reason"])
+    assert client.generate("2+2?", **keys).text == expected  # a new group, same answer
+    (new_worker,) = _workers_of(dream_checkpoint)
+    assert new_worker != worker
+    server.stop()
+    deadline = time.monotonic() + 15
+    while _workers_of(dream_checkpoint) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _workers_of(dream_checkpoint) == []

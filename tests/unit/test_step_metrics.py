@@ -15,6 +15,9 @@ class _Series:
     def set(self, value: float) -> None:
         self.values.append(value)
 
+    def increment(self, value: float) -> None:
+        self.values.append(value)
+
 
 class _Metrics:
     def __init__(self) -> None:
@@ -92,3 +95,20 @@ def test_fused_kernel_fallbacks_reach_their_gauge_when_they_change() -> None:
     recorder.record(idle=True)
     recorder.record(idle=True)
     assert metrics.fused_fallbacks.values == [0, 1]
+
+
+def test_graph_captures_advance_their_counter_by_what_is_new() -> None:
+    """The engine counts captures as a running total; the counter gets only the growth."""
+    metrics = _Metrics()
+    metrics.graph_captures = _Series()
+    total = [0]
+    recorder = StepMetrics(
+        metrics, in_flight=lambda: 0, queue_depth=lambda: 0, graph_captures=lambda: total[0]
+    )
+    recorder.record(idle=True)  # none yet: nothing to add
+    total[0] = 5
+    recorder.record(idle=True)
+    recorder.record(idle=True)  # unchanged: nothing added
+    total[0] = 7
+    recorder.record(idle=True)
+    assert metrics.graph_captures.values == [5, 2]

@@ -116,10 +116,14 @@ def test_llada2_moe_tp2_equals_tp1(ckpts) -> None:
 
 
 def test_killed_worker_is_a_clear_error(ckpts) -> None:
+    """A killed rank is a fault of the engine at once (a server polls it and reports the
+    model dead), and the next forward's error names it."""
     with tp_engine(ckpts["dream"]) as engine:
+        assert engine.fault() is None
         pid = engine.runner.model.workers.pids[0]
         os.kill(pid, signal.SIGKILL)
         engine.runner.model.workers.procs[0].wait(timeout=10)
+        assert f"rank 1 (pid {pid}) exited with signal SIGKILL" in engine.fault()
         started = time.monotonic()
         with pytest.raises(
             TensorParallelError, match=rf"rank 1 \(pid {pid}\) exited with signal SIGKILL"
@@ -148,6 +152,7 @@ def test_a_failed_forward_refuses_the_next_instead_of_pairing_wrong_collectives(
         batch = ForwardBatch(ids, torch.arange(ids.shape[1])[None], None, None)
         with pytest.raises(TensorParallelError, match="an earlier tensor-parallel forward failed"):
             model.hidden_states(batch)
+        assert "simulated" in engine.fault() and "out of step" in engine.fault()
 
 
 def test_served_loop_fails_rows_on_a_dead_worker_and_stops_the_rest(ckpts) -> None:
