@@ -9,6 +9,11 @@ forward. All requests of a setting go through the engine together, so it batches
     python benchmarks/quality.py                 # 600 prompts, table + docs/quality_tradeoff.png
     python benchmarks/quality.py --n 120 --no-plot
     python benchmarks/quality.py --rephrased --n 120 --only k=1 --no-plot   # unseen wordings
+    python benchmarks/quality.py --only k=1 --quantization none,fp8,int4 --no-plot
+
+`--quantization` runs the selected settings once per weight precision (`none` = the model's
+own weights), each on the same questions; on the CPU `fp8` and `int4` compute by dequantizing
+(bitsandbytes `int8` / `nf4` need CUDA).
 
 It records, it does not assert (tests/unit/test_tiny_dlm_quality.py does).
 """
@@ -28,6 +33,7 @@ import torch
 
 from dlm_engine import Engine, EngineConfig, SamplingParams
 from dlm_lab.training import tasks
+from dlm_protocol.settings import QUANTIZATIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = ROOT / "dlm_engine" / "assets" / "tiny-dlm"
@@ -56,6 +62,7 @@ class Result:
     answer_tokens_per_forward: float  # completion tokens (no padding) per forward
     seconds: float
     wrong: list[dict[str, str]] = field(default_factory=list)
+    quantization: str | None = None  # weight precision, where the run compared several
 
 
 def settings(max_tokens: int) -> list[Setting]:
@@ -203,19 +210,23 @@ def _cell(value: float) -> str:
 
 
 def markdown_table(results: list[Result]) -> str:
-    """The table as it goes into docs/benchmarks.md."""
+    """The table as it goes into docs/benchmarks.md (a precision column where runs carry one)."""
     task_names = list(results[0].per_task)
+    precision = any(r.quantization is not None for r in results)
     head = (
-        "| setting | exact match | NFE / request | tokens / forward | answer tokens / forward | "
+        "| setting | "
+        + ("precision | " if precision else "")
+        + "exact match | NFE / request | tokens / forward | answer tokens / forward | "
         + " | ".join(task_names)
         + " | wall s |"
     )
-    sep = "|" + "---|" * (6 + len(task_names))
+    sep = "|" + "---|" * (6 + precision + len(task_names))
     rows = [head, sep]
     for r in results:
         tasks_cells = " | ".join(f"{100 * r.per_task[t]:.1f}" for t in task_names)
+        precision_cell = f"{r.quantization} | " if precision else ""
         rows.append(
-            f"| {r.name} | **{100 * r.accuracy:.1f}%** | {r.mean_nfe:.2f} | "
+            f"| {r.name} | {precision_cell}**{100 * r.accuracy:.1f}%** | {r.mean_nfe:.2f} | "
             f"{_cell(r.tokens_per_forward)} | {r.answer_tokens_per_forward:.2f} | {tasks_cells} | "
             f"{r.seconds:.0f} |"
         )
@@ -268,6 +279,15 @@ def plot(results: list[Result], path: Path, n: int, model: str = "tiny-dlm") -> 
     fig.savefig(path, dpi=120)
 
 
+def precisions(value: str) -> list[str]:
+    """`--quantization`'s comma list, checked against the engine's schemes (`none` = none)."""
+    names = [v.strip() for v in value.split(",")]
+    bad = [v for v in names if v not in ("none", *QUANTIZATIONS)]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad} not among none, {', '.join(QUANTIZATIONS)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> list[Result]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=str(DEFAULT_MODEL))
@@ -291,6 +311,13 @@ def main(argv: list[str] | None = None) -> list[Result]:
         "accel: LocalLeap, d3LLM entropy threshold / multi-block, Fast-dLLM factor; "
         "block: SDAR's commit rules (with --model dlm_engine/assets/tiny-sdar)",
     )
+    p.add_argument(
+        "--quantization",
+        type=precisions,
+        default=None,
+        help="comma list of weight precisions, each running the selected settings: none (the "
+        "model's own), fp8, int4 (dequantized on CPU); int8, nf4 need CUDA (default: none)",
+    )
     p.add_argument("--plot", default=str(ROOT / "docs" / "quality_tradeoff.png"))
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--json", default=None, help="write the results here")
@@ -305,47 +332,54 @@ def main(argv: list[str] | None = None) -> list[Result]:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    engine = Engine(
-        EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            max_rows=args.max_rows,
-            max_queue=max(1024, args.n),
-        )
-    )
     examples = (tasks.rephrased_examples if args.rephrased else tasks.heldout_examples)(args.n)
-    prompts = [engine.encode_prompt(messages=tasks.messages_for(e)) for e in examples]
-    print(
-        f"{args.n} held-out prompts{' (rephrased)' if args.rephrased else ''}, model {args.model} ({engine.loaded.dtype}, {args.device}, "
-        f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()})",
-        flush=True,
-    )
-    results: list[Result] = []
     sweeps = {
         "parallel": settings,
         "cache": cache_settings,
         "accel": accel_settings,
         "block": block_settings,
     }
-    sweep = sweeps[args.sweep]
-    for s in sweep(args.max_tokens):
-        if args.only and s.name not in args.only:
-            continue
-        r = run_setting(engine, examples, prompts, s, whole_canvas=args.sweep != "block")
-        results.append(r)
+    chosen = [
+        s for s in sweeps[args.sweep](args.max_tokens) if not args.only or s.name in args.only
+    ]
+    results: list[Result] = []
+    for precision in args.quantization or [None]:
+        engine = Engine(
+            EngineConfig(
+                model=args.model,
+                dtype=args.dtype,
+                device=args.device,
+                quantization=None if precision in (None, "none") else precision,
+                max_rows=args.max_rows,
+                max_queue=max(1024, args.n),
+            )
+        )
+        prompts = [engine.encode_prompt(messages=tasks.messages_for(e)) for e in examples]
         print(
-            f"{r.name:>14}: exact match {100 * r.accuracy:5.1f}%  NFE {r.mean_nfe:6.2f}  "
-            f"answer tokens/forward {r.answer_tokens_per_forward:4.2f}  ({r.seconds:.0f} s)",
+            f"{args.n} held-out prompts{' (rephrased)' if args.rephrased else ''}, model "
+            f"{args.model} ({engine.loaded.dtype}"
+            f"{'' if precision is None else f', weights {precision}'}, {args.device}, "
+            f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()})",
             flush=True,
         )
+        for s in chosen:
+            r = run_setting(engine, examples, prompts, s, whole_canvas=args.sweep != "block")
+            r.quantization = precision
+            results.append(r)
+            print(
+                f"{r.name:>14}: exact match {100 * r.accuracy:5.1f}%  NFE {r.mean_nfe:6.2f}  "
+                f"answer tokens/forward {r.answer_tokens_per_forward:4.2f}  ({r.seconds:.0f} s)",
+                flush=True,
+            )
     print()
     print(markdown_table(results))
-    if not args.no_plot and results and args.sweep in ("parallel", "block"):
+    plotted = args.quantization is None  # one point a setting: a single precision
+    if plotted and not args.no_plot and results and args.sweep in ("parallel", "block"):
         plot(results, Path(args.plot), args.n, Path(args.model).name)
         print(f"\nplot: {args.plot}")
     if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
+        rows = [{k: v for k, v in asdict(r).items() if k != "quantization" or v} for r in results]
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return results
 
 
