@@ -7,6 +7,8 @@ tok/s, TTFT, and the bf16 weight-read floor of a step.
         # CPU, the tiny test checkpoint
     python benchmarks/gpu_bench_gemma.py --shared-prefix 3584 [--encoder-prefix-cache-bytes 0]
         # prompts sharing their first 3,584 tokens, the encoder prefix cache on (or off)
+    python benchmarks/gpu_bench_gemma.py --quantization fp8
+        # linear layers and experts in e4m3 (quantized at load), beside a bf16 run
 
 The model is the published google/diffusiongemma-26B-A4B-it text architecture
 (`presets.py`) with random bf16 weights, built on the meta device and materialised straight
@@ -132,7 +134,8 @@ def random_model(device: torch.device) -> LoadedModel:
 def weight_floor(model: torch.nn.Module) -> dict[str, float]:
     """Bytes one decoder step reads at least, and that over the HBM bandwidth."""
     dec = model.model.decoder
-    total = sum(p.numel() * p.element_size() for p in dec.parameters())
+    # FP8 layers keep their weights and scales as buffers
+    total = sum(t.numel() * t.element_size() for t in (*dec.parameters(), *dec.buffers()))
     embed = dec.embed_tokens.weight
     step_bytes = total + embed.numel() * embed.element_size()  # head + soft embeddings
     return {
@@ -442,6 +445,12 @@ def main() -> None:
         default=-1,
         help="the encoder prefix cache's budget (-1: the server's auto, 0: off)",
     )
+    ap.add_argument(
+        "--quantization",
+        choices=("none", "fp8"),
+        default="none",
+        help="fp8: the linear layers and the experts quantized at load (e4m3, per channel)",
+    )
     ap.add_argument("--profile", type=int, default=0, help="profile 2 steps at this batch")
     ap.add_argument(
         "--graphs", choices=("on", "off", "both"), default="both", help="decoder CUDA graphs"
@@ -460,6 +469,13 @@ def main() -> None:
         report["device"] = torch.cuda.get_device_name()
         report["weights"] = "random bf16"
     report["torch"] = torch.__version__
+    report["quantization"] = args.quantization
+    if args.quantization != "none":
+        from dlm_engine.quantization import quantize_linears
+
+        report["quantized_layers"] = quantize_linears(
+            loaded.model, args.quantization, loaded.device
+        )
     model = loaded.model
     vocab = int(model.vocab_size)
     report["conditions"] = {

@@ -192,6 +192,13 @@ class Fp8Experts(nn.Module):
         q, scale = quantize_rows(w.transpose(-2, -1))
         return cls(q.contiguous(), scale)
 
+    @classmethod
+    def from_linear_stacked(cls, w: torch.Tensor) -> Fp8Experts:
+        """From stacked weights in `F.linear` layout [E, N, K] (output rows, as DiffusionGemma
+        publishes its experts): already one row per output channel."""
+        q, scale = quantize_rows(w)
+        return cls(q.contiguous(), scale)
+
     @property
     def shape(self) -> torch.Size:
         e, n, k = self.weight.shape
@@ -228,7 +235,9 @@ class Fp8Experts(nn.Module):
 
 def quantize_fp8(model: nn.Module, head: nn.Module | None) -> int:
     """Replace every `nn.Linear` but the output head by an `Fp8Linear`, and stacked MoE
-    expert weights (`w_gate_up`, `w_down`) by `Fp8Experts`; returns how many were replaced."""
+    expert weights by `Fp8Experts` (`w_gate_up`, `w_down` in the grouped GEMM's layout;
+    DiffusionGemma's `gate_up_proj`, `down_proj` in `F.linear` layout); returns how many
+    were replaced."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -240,6 +249,12 @@ def quantize_fp8(model: nn.Module, head: nn.Module | None) -> int:
             if isinstance(w, torch.Tensor):
                 delattr(parent, name)
                 setattr(parent, name, Fp8Experts.from_stacked(w.data))
+                swapped += 1
+        for name in ("gate_up_proj", "down_proj"):  # a module's own 3-D parameters only
+            w = getattr(parent, name, None)
+            if isinstance(w, torch.Tensor) and w.dim() == 3:
+                delattr(parent, name)
+                setattr(parent, name, Fp8Experts.from_linear_stacked(w.data))
                 swapped += 1
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

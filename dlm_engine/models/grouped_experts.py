@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from .moe import grouped_linear
+from .moe import grouped_linear, in_out
 
 
 def sort_by_expert(
@@ -46,7 +46,8 @@ def gated_experts(
     """Sum over each token's experts of weight * down(act(gate(x), up(x))).
 
     x [N, H]; index/weights [N, k]; `gate_up` [E, 2I, H] (gate rows, then up) and `down`
-    [E, H, I] in `F.linear` layout (output rows), as checkpoints store stacked experts."""
+    [E, H, I] in `F.linear` layout (output rows), as checkpoints store stacked experts, or
+    their FP8 replacements (`fp8.Fp8Experts`)."""
     n, k = index.shape
     if n == 0:
         return torch.zeros_like(x)
@@ -55,8 +56,8 @@ def gated_experts(
     weights = weights.gather(-1, slot).reshape(-1)
     order, expert_of_row, offs = sort_by_expert(index, gate_up.shape[0])
     xs = x[order // k]
-    gate, up = grouped_linear(xs, gate_up.transpose(-2, -1), offs, expert_of_row).chunk(2, -1)
-    ys = grouped_linear(act(gate, up), down.transpose(-2, -1), offs, expert_of_row)
+    gate, up = grouped_linear(xs, in_out(gate_up), offs, expert_of_row).chunk(2, -1)
+    ys = grouped_linear(act(gate, up), in_out(down), offs, expert_of_row)
     # weights in the hidden dtype: one pass, no float32 copy (the same product in float32)
     ys = ys * weights[order, None].to(ys.dtype)
     # back to (token, slot) order by a gather (a row copy; a scatter is slower on the GPU)

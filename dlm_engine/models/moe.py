@@ -69,6 +69,13 @@ def _gathered_bmm(x: torch.Tensor, w: torch.Tensor, expert_of_row: torch.Tensor)
     return out
 
 
+def in_out(w: torch.Tensor | Any) -> torch.Tensor | Any:
+    """Stacked expert weights in `F.linear` layout [E, out, in] (as DiffusionGemma publishes
+    them) as `grouped_linear`'s [E, in, out]: a view of a tensor; FP8 experts
+    (`Fp8Experts`) already answer in that layout."""
+    return w.transpose(-2, -1) if isinstance(w, torch.Tensor) else w
+
+
 def grouped_linear(
     x: torch.Tensor, w: torch.Tensor | Any, offs: torch.Tensor, expert_of_row: torch.Tensor
 ) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.moe import run_experts
+from ..models.moe import in_out, run_experts
 from .channel import Channel
 
 
@@ -55,8 +55,8 @@ class LocalExperts(nn.Module):
             x,
             index,
             weights,
-            self.gate_up_proj.transpose(-2, -1),
-            self.down_proj.transpose(-2, -1),
+            in_out(self.gate_up_proj),  # a tensor, or FP8 experts after quantization
+            in_out(self.down_proj),
             first_expert=self.first,
             act=_gelu_mul,
         )

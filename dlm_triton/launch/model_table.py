@@ -3,7 +3,7 @@
 Each row reads a model folder's ``config.pbtxt`` (checkpoint, limits) and builds the checkpoint's
 architecture on PyTorch's meta device (no weights, no download) to count its parameters and
 the bytes its weights take per precision, exactly as the loader and ``quantization.py`` lay
-them out: FP8 replaces the blocks' ``nn.Linear`` layers and LLaDA2's stacked experts;
+them out: FP8 replaces the blocks' ``nn.Linear`` layers and the stacked MoE experts;
 bitsandbytes replaces the ``nn.Linear`` layers only; embeddings and the output head stay bf16. ``dlm_protocol.docgen`` renders it.
 """
 
@@ -105,13 +105,17 @@ def weight_bytes(config: dict[str, Any]) -> tuple[str, int, float, float, float,
         if isinstance(module, nn.Linear) and module is not head:
             linear_weights += module.weight.numel()
             linear_rows += module.out_features
-    # stacked MoE experts [E, in, out]: FP8 quantizes them too (a float32 scale per expert
-    # and output column), bitsandbytes does not
+    # stacked MoE experts: FP8 quantizes them too (a float32 scale per expert and output
+    # channel), bitsandbytes does not; [E, in, out] (`w_gate_up`, `w_down`) or, as
+    # DiffusionGemma publishes them, [E, out, in] (`gate_up_proj`, `down_proj`)
     expert_weights = expert_columns = 0
     for name, p in model.named_parameters():
         if p.dim() == 3 and name.endswith(("w_gate_up", "w_down")):
             expert_weights += p.numel()
             expert_columns += p.shape[0] * p.shape[2]
+        elif p.dim() == 3 and name.endswith(("gate_up_proj", "down_proj")):
+            expert_weights += p.numel()
+            expert_columns += p.shape[0] * p.shape[1]
     rest = 2.0 * (total - linear_weights)  # bf16
     int8 = rest + INT8_BYTES * linear_weights + 4.0 * linear_rows
     nf4 = rest + NF4_BYTES * linear_weights

@@ -191,3 +191,28 @@ def test_diffusion_gemma_ep2_equals_one_device(tmp_path) -> None:
     finally:
         model.close()
     assert all(p.poll() is not None for p in model.workers.procs)
+
+
+def test_diffusion_gemma_ep2_in_fp8_equals_one_device(tmp_path) -> None:
+    """`quantization=fp8` under expert parallel: each rank quantizes its own experts (one
+    scale per expert's output channel, as the whole stack quantizes them), so the tokens equal
+    one device's FP8 engine."""
+    from dlm_engine.fp8 import Fp8Experts
+    from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
+
+    path = str(make_tiny_diffusion_gemma(tmp_path / "gemma", seed=4))
+    keys = dict(model=path, dtype="float32", max_rows=2, quantization="fp8")
+    one = Engine(EngineConfig(**keys))
+    two = Engine(EngineConfig(**keys, tensor_parallel_size=2, expert_parallel=True))
+    model = two.runner.model
+    try:
+        experts = model.local.model.decoder.layers[0].experts
+        assert isinstance(experts.gate_up_proj, Fp8Experts)
+        prompt = one.tokenizer.encode("hi there", add_special_tokens=False)
+        params = {"seed": 2, "max_tokens": 32}
+        assert two.generate([prompt], params)[0].token_ids == (
+            one.generate([prompt], params)[0].token_ids
+        )
+    finally:
+        model.close()
+    assert all(p.poll() is not None for p in model.workers.procs)

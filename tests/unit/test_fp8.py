@@ -153,3 +153,39 @@ def test_unsupported_quantization_method_is_named(tmp_path: Path) -> None:
     (src / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quant_method 'hqq'"):
         load_checkpoint(src)
+
+
+@torch.no_grad()
+def test_diffusion_gemma_experts_in_fp8(tmp_path: Path) -> None:
+    """DiffusionGemma's stacked experts (`F.linear` layout) become FP8 experts too, not only
+    its linear layers: each layer's grouped experts then compute their dequantized weights'
+    products (to the bit in float32 here, as the per-expert loop over them within rounding),
+    and the engine serves the model quantized."""
+    from dlm_engine.models.diffusion_gemma import GemmaExperts
+    from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
+
+    ckpt = make_tiny_diffusion_gemma(tmp_path / "dg")
+    fp8 = load_checkpoint(ckpt, dtype="float32", quantization="fp8")
+    experts = [m for m in fp8.model.modules() if isinstance(m, GemmaExperts)]
+    assert experts and all(
+        isinstance(m.gate_up_proj, Fp8Experts) and isinstance(m.down_proj, Fp8Experts)
+        for m in experts
+    )
+    assert not any(isinstance(m, nn.Linear) for m in fp8.model.modules())  # head is tied
+    full = load_checkpoint(ckpt, dtype="float32")
+    ref = next(m for m in full.model.modules() if isinstance(m, GemmaExperts))
+    q = experts[0]
+    e = ref.gate_up_proj.shape[0]
+    torch.manual_seed(3)
+    x = torch.randn(10, ref.gate_up_proj.shape[-1])
+    index = torch.stack([torch.randperm(e)[:2] for _ in range(10)])
+    weights = torch.rand(10, 2)
+    for name in ("gate_up_proj", "down_proj"):  # the reference over the dequantized weights
+        deq = getattr(q, name).dense(torch.float32).transpose(-2, -1)
+        assert _rel(deq, getattr(ref, name)) < 0.05  # e4m3 rounding of the stored weights
+        getattr(ref, name).copy_(deq)
+    assert torch.equal(q(x, index, weights), ref(x, index, weights))
+    torch.testing.assert_close(q(x, index, weights), ref.loop(x, index, weights))
+    engine = Engine(EngineConfig(model=str(ckpt), quantization="fp8", max_rows=2))
+    out = engine.generate([[3, 4, 5, 6]], {"max_tokens": 8, "seed": 1})[0]
+    assert out.finished and out.error is None and out.token_ids
