@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from step_timeline import StepTimeline
 
 from dlm_engine import Engine, EngineConfig
 from dlm_engine.loader import random_checkpoint
@@ -178,6 +179,11 @@ def main() -> None:
         "--profile", action="store_true", help="profile dual-cache steps at batch 1 first"
     )
     ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="one more run per engine row under the profiler: host ms a step, device busy",
+    )
+    ap.add_argument(
         "--tiny", action="store_true", help="shrunken presets: a CPU smoke run of this script"
     )
     ap.add_argument(
@@ -279,6 +285,10 @@ def main() -> None:
                             cache="none" if mode == "exact" else mode,
                         )
                         res = run_engine(engine, prompts.tolist(), params)
+                        if args.timeline:  # beside the timed run (the profiler costs host time)
+                            with StepTimeline() as t:
+                                engine.generate(prompts.tolist(), params)
+                            res["timeline"] = t.report(res["steps"])
                     tps = batch * CANVAS / res["seconds"]
                     if mode == "reference":
                         ref_tps = tps
@@ -296,6 +306,7 @@ def main() -> None:
                         "pct_peak": 100 * tflops / peak,
                         "x_ref": tps / ref_tps if ref_tps else None,
                         "median_ms": res["median_ms"],
+                        "timeline": res.get("timeline"),
                         "block": BLOCK
                         if (lm.family.name == "llada" or mode != "exact")
                         else CANVAS,
@@ -303,6 +314,10 @@ def main() -> None:
                     rows.append(row)
                     xr = f"{row['x_ref']:.2f}" if row["x_ref"] else "-"
                     med = " ".join(f"{k}={v:.1f}" for k, v in res["median_ms"].items())
+                    if res.get("timeline"):
+                        t = res["timeline"]
+                        busy = "-" if t["device_busy"] is None else f"{100 * t['device_busy']:.0f}%"
+                        med += f"  host {t['host_ms_per_step']:.2f} ms/step, device busy {busy}"
                     print(
                         f"{mode:<10}{batch:>6}{steps:>6}{tps:>9.0f}{row['ms_step']:>9.1f}{tflops:>9.0f}"
                         f"{row['pct_peak']:>7.1f}{xr:>7}  {med}",

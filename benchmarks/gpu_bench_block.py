@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from step_timeline import StepTimeline
 
 from dlm_engine import Engine, EngineConfig
 from dlm_engine.loader import random_checkpoint
@@ -80,13 +81,22 @@ def weight_bytes(model: torch.nn.Module, distinct_experts: float | None) -> floa
     return total
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], params: dict) -> dict:
-    """One untimed run (graphs and allocations), then the timed one with its step count."""
+def run_engine(
+    engine: Engine, prompts: list[list[int]], params: dict, timeline: bool = False
+) -> dict:
+    """One untimed run (graphs and allocations), then the timed one with its step count;
+    with `timeline`, one more run under the profiler: host time per step and the
+    device-busy fraction (`step_timeline.py`), beside the timed figures."""
     engine.generate(prompts, params)
     f0 = engine.runner.forward_passes
     res = run_engine_once(engine, prompts, params)
     steps = engine.runner.forward_passes - f0
-    return {**res, "steps": steps, "ms_per_step": res["seconds"] / steps * 1e3}
+    res = {**res, "steps": steps, "ms_per_step": res["seconds"] / steps * 1e3}
+    if timeline:
+        with StepTimeline() as t:
+            engine.generate(prompts, params)
+        res["timeline"] = t.report(steps)
+    return res
 
 
 def run_reference(engine: Engine, prompt: list[int], family: str, p: dict) -> dict:
@@ -178,6 +188,13 @@ def run_engine_once(engine: Engine, prompts: list[list[int]], params: dict) -> d
     }
 
 
+def _timeline_text(t: dict | None) -> str:
+    if not t:
+        return ""
+    busy = "-" if t["device_busy"] is None else f"{100 * t['device_busy']:.0f}%"
+    return f"  host {t['host_ms_per_step']:.2f} ms/step, device busy {busy}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="sdar-4b,llada2-mini")
@@ -189,6 +206,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default="none", help="comma list of none,fp8,int8,nf4")
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="one more run per batch under the profiler: host ms a step, device-busy fraction",
+    )
     ap.add_argument("--out", default="")
     ap.add_argument("--shared-prefix", type=int, default=0, help="run the prefix-cache section")
     ap.add_argument("--requests", type=int, default=32, help="prefix-cache section: requests")
@@ -244,7 +266,7 @@ def main() -> None:
             prompts = [
                 torch.randint(100, vocab, (args.prompt,), generator=gen).tolist() for _ in range(b)
             ]
-            res = run_engine(engine, prompts, params)
+            res = run_engine(engine, prompts, params, args.timeline)
             distinct = None
             if family == "llada2":
                 cfg_e = lm.config
@@ -261,7 +283,8 @@ def main() -> None:
             rows.append(row)
             print(f"{b:6d} {res['tok_s']:8.0f} {res['ms_per_step']:8.2f} {floor_ms:9.2f} "
                   f"{row['x_floor']:8.2f} {row['x_ref']:6.1f} {res['steps']:6d}"
-                  + (f"  experts/layer {distinct:.0f}" if distinct else ""))  # fmt: skip
+                  + (f"  experts/layer {distinct:.0f}" if distinct else "")
+                  + _timeline_text(res.get("timeline")))  # fmt: skip
         del engine, lm
         torch.cuda.empty_cache() if dev.type == "cuda" else None
     if args.out:
