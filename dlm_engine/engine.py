@@ -69,7 +69,12 @@ class Engine:
         pad_id = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else lm.eos_id
         # DiffusionGemma rows run on their own runner (uniform_runner.py), the rest here
         self.runner = (
-            UniformRunner(lm, config.encode_step_tokens, config.encoder_prefix_cache_bytes)
+            UniformRunner(
+                lm,
+                config.encode_step_tokens,
+                config.encoder_prefix_cache_bytes,
+                fused_kernels=config.fused_kernels,
+            )
             if lm.family.uniform_diffusion
             else ModelRunner(
                 lm.model,

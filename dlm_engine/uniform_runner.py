@@ -27,6 +27,7 @@ from .decoding.uniform_constraints import CanvasConstraint
 from .decoding.uniform_diffusion import UniformRow, denoise_rows, encode_rows
 from .encoder_prefix import EncoderPrefixCache, auto_budget, fill
 from .loader import LoadedModel
+from .models.common import FusedKernels
 from .models.diffusion_gemma import DecodeGraph, DiffusionGemmaModel
 from .sequence import Sequence
 
@@ -37,6 +38,7 @@ class UniformRunner:
         loaded: LoadedModel,
         encode_step_tokens: int | None = None,
         prefix_cache_bytes: int | None = 0,
+        fused_kernels: bool = True,
     ) -> None:
         self.model = loaded.model
         self.encode_step_tokens = encode_step_tokens  # the encoder's budget a step (None: all)
@@ -65,6 +67,8 @@ class UniformRunner:
         # model whose calls first send commands to other ranks: dlm_engine/parallel/gemma.py)
         graphs = self.device.type == "cuda" and getattr(self.model, "graph_steps", True)
         self.decode_graph = DecodeGraph(self.model) if graphs else None
+        if self.device.type == "cuda" and fused_kernels:  # the sampler's statistics, fused
+            FusedKernels.enabled = True
 
     @property
     def graph_captures(self) -> int:

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..models.diffusion_gemma import DiffusionGemmaModel, RowCache
+from ..models.common import FusedKernels
+from ..models.diffusion_gemma import DiffusionGemmaModel, RowCache, soft_cap
 from .logit_bias import Biases, LogitBiasStep
 from .logprobs import TokenLogprob
 
@@ -77,6 +78,24 @@ def token_entropy(logits: torch.Tensor, probs: torch.Tensor | None = None) -> to
     if probs is not None and logits.is_cuda:
         return logits.logsumexp(dim=-1) - (probs * logits).sum(dim=-1)
     return torch.distributions.Categorical(logits=logits, validate_args=False).entropy()
+
+
+def _sampler_statistics(
+    product: torch.Tensor, cap: float | None, temp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a step reads of its logits, from the head's product [1, L, V]: the tempered
+    distribution in float32 (sampled from) and in the product's dtype (self-conditioning's
+    input), each position's argmax and entropy (as `token_entropy` on the GPU)."""
+    processed = soft_cap(product, cap) / temp
+    probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+    entropy = processed.logsumexp(dim=-1) - (probs * processed).sum(dim=-1)
+    return probs, probs.to(product.dtype), processed.argmax(dim=-1), entropy
+
+
+# On the GPU one compiled kernel chain instead of some twenty passes over L x V float32 a
+# row (the cast, soft cap, temperature, softmax, argmax, entropy, the cast for the soft
+# embeddings): at 32 rows of a 262,144-token vocabulary those passes are a third of a step.
+sampler_statistics = FusedKernels(_sampler_statistics)
 
 
 def accepted_mask(entropy: torch.Tensor, bound: float) -> torch.Tensor:
@@ -166,6 +185,32 @@ class UniformRow:
         self.history = None
         self.remaining = self.settings.steps
 
+    def absorb_hidden(
+        self, hidden: torch.Tensor, model: DiffusionGemmaModel
+    ) -> torch.Tensor | None:
+        """`absorb` of one step's normed hidden states [1, L, H]. On the GPU with fused
+        kernels on, and when nothing reads the processed logits themselves (no `logit_bias`,
+        structured output or logprobs), from one fused pass over the head's product
+        (`sampler_statistics`); the draws are the same calls on the row's generator."""
+        if not self.fuses(hidden, model):
+            return self.absorb(model.head(hidden), model)
+        temp = temperature(self.settings, self.remaining, hidden.device)
+        probs, probs_low, argmax, entropy = sampler_statistics(
+            model.head_product(hidden), model.logit_cap, temp
+        )
+        return self._take(probs, argmax, entropy, model, probs_low)
+
+    def fuses(self, hidden: torch.Tensor, model: DiffusionGemmaModel) -> bool:
+        """Whether `absorb_hidden` takes the fused pass (see there)."""
+        return (
+            FusedKernels.enabled
+            and hidden.is_cuda
+            and hasattr(model, "head_product")
+            and self.bias is None
+            and self.constraint is None
+            and self.logprobs is None
+        )
+
     def absorb(self, logits: torch.Tensor, model: DiffusionGemmaModel) -> torch.Tensor | None:
         """Sample, accept and renoise from one step's logits [1, L, V] without waiting on the
         device. Returns the adaptive-stopping verdict as a device bool (None: this row has no
@@ -178,11 +223,28 @@ class UniformRow:
             self.bias.apply(logits)  # in place: this row's slice of the step's logits
         processed = logits / temp
         probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+        # L x V floats are kept past this call only where the canvas's end reads them
+        if self.constraint is not None or self.logprobs is not None:
+            self.last_logits = processed
+        argmax = torch.argmax(processed, dim=-1)
+        return self._take(probs, argmax, token_entropy(processed, probs), model, probs)
+
+    def _take(
+        self,
+        probs: torch.Tensor,
+        argmax: torch.Tensor,
+        entropy: torch.Tensor,
+        model: DiffusionGemmaModel,
+        soft_input: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The step's draws from `probs`: sample every position, accept the lowest-entropy
+        ones within the bound, renoise the rest; the next step's self-conditioning from
+        `soft_input` (`probs`, or the same in the weights' dtype)."""
+        s = self.settings
         sampled = torch.multinomial(
             probs.view(-1, self.vocab_size), num_samples=1, generator=self.generator
         ).view(1, self.canvas_length)
-        self.argmax = torch.argmax(processed, dim=-1)
-        entropy = token_entropy(processed, probs)
+        self.argmax = argmax
         accept = accepted_mask(entropy, s.entropy_bound)
         accepted = torch.where(accept, sampled, self.current)
         self.current = torch.where(~accept, self._random_canvas(), accepted)
@@ -192,10 +254,7 @@ class UniformRow:
         self.remaining -= 1
         self.forwards += 1
         # the next step's self-conditioning (unused if the canvas ends: the next starts bare)
-        self.soft = model.soft_embedding(probs)
-        # L x V floats are kept past this call only where the canvas's end reads them
-        if self.constraint is not None or self.logprobs is not None:
-            self.last_logits = processed
+        self.soft = model.soft_embedding(soft_input)
         return verdict
 
     def end_step(self, stopped: bool) -> list[int] | None:
@@ -312,7 +371,7 @@ def denoise_rows(
         torch.cat([r.current for r in live]), [r.soft for r in live], [r.cache for r in live]
     )
     # each row's logits alone (L x V float32 each), sampled from and dropped
-    verdicts = [row.absorb(model.head(hidden[i : i + 1]), model) for i, row in enumerate(live)]
+    verdicts = [row.absorb_hidden(hidden[i : i + 1], model) for i, row in enumerate(live)]
     # one wait on the device per step, for every row's adaptive-stopping verdict
     pending = [v for v in verdicts if v is not None]
     stopped = iter(torch.stack(pending).tolist() if pending else [])

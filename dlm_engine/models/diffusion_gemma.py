@@ -685,11 +685,16 @@ class DiffusionGemmaModel(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Float32 soft-capped logits [.., L, V] of hidden states [.., L, H] (tied weights)."""
-        logits = F.linear(h, self._decoder.embed_tokens.weight).float()
-        cap = self.arch.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return soft_cap(self.head_product(h), self.arch.final_logit_softcapping)
+
+    def head_product(self, h: torch.Tensor) -> torch.Tensor:
+        """The output head's product in the weights' dtype, before `soft_cap` (a fused
+        sampler reads it once instead of a float32 copy)."""
+        return F.linear(h, self._decoder.embed_tokens.weight)
+
+    @property
+    def logit_cap(self) -> float | None:
+        return self.arch.final_logit_softcapping
 
     @torch.no_grad()
     def decode(
@@ -701,6 +706,14 @@ class DiffusionGemmaModel(nn.Module):
         """Float32 soft-capped logits [B, L, V] (`decode_hidden` then `head`, all rows at once:
         the engine takes each row's logits alone, so B x L x V float32 never exists at once)."""
         return self.head(self.decode_hidden(canvas, soft, caches))
+
+
+def soft_cap(product: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """The head's float32 logits: its product soft-capped at `cap` (none: as it is)."""
+    logits = product.float()
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 class DecodeGraph:
