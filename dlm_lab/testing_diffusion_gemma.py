@@ -233,3 +233,23 @@ def spy_encoder(engine: Any, monkeypatch: Any) -> list[list[int]]:
 
     monkeypatch.setattr(model, "encode", spy)
     return calls
+
+
+def generation_settings(
+    checkpoint: str | Path, max_tokens: int, canvas_length: int, **over: Any
+) -> Any:
+    """The sampler settings a checkpoint's `generation_config.json` gives transformers'
+    `generate` (overrides by the same key names, `entropy_bound` for the sampler config's),
+    for answers of `max_tokens`: what the tests hand the sampler directly."""
+    from dlm_engine.decoding.uniform_diffusion import UniformSettings
+
+    gen = json.loads((Path(checkpoint) / "generation_config.json").read_text())
+    return UniformSettings(
+        steps=over.get("max_denoising_steps", gen["max_denoising_steps"]),
+        t_min=over.get("t_min", gen["t_min"]),
+        t_max=over.get("t_max", gen["t_max"]),
+        entropy_bound=over.get("entropy_bound", gen["sampler_config"]["entropy_bound"]),
+        stability_threshold=over.get("stability_threshold", gen["stability_threshold"]),
+        stop_entropy=over.get("confidence_threshold", gen["confidence_threshold"]),
+        canvases=-(-max_tokens // canvas_length),
+    )

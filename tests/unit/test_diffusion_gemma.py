@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from dlm_engine.decoding.uniform_diffusion import (
-    UniformSettings,
     accepted_mask,
     generate,
     make_rows,
@@ -23,7 +22,7 @@ from dlm_engine.decoding.uniform_diffusion import (
 )
 from dlm_engine.loader import load_checkpoint
 from dlm_engine.models.diffusion_gemma import DiffusionGemmaModel
-from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
+from dlm_lab.testing_diffusion_gemma import generation_settings, make_tiny_diffusion_gemma
 
 transformers = pytest.importorskip("transformers")
 
@@ -53,18 +52,6 @@ def _prompt(loaded, text: str) -> list[int]:
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
     )
     return tok.encode(chat, add_special_tokens=False)
-
-
-def _settings(gen: dict, max_tokens: int, **over) -> UniformSettings:
-    return UniformSettings(
-        steps=over.get("max_denoising_steps", gen["max_denoising_steps"]),
-        t_min=over.get("t_min", gen["t_min"]),
-        t_max=over.get("t_max", gen["t_max"]),
-        entropy_bound=over.get("entropy_bound", gen["sampler_config"]["entropy_bound"]),
-        stability_threshold=over.get("stability_threshold", gen["stability_threshold"]),
-        stop_entropy=over.get("confidence_threshold", gen["confidence_threshold"]),
-        canvases=-(-max_tokens // CANVAS),
-    )
 
 
 def _reference_tokens(reference, prompt, seed, max_tokens, **over) -> tuple[list[int], float]:
@@ -106,7 +93,11 @@ def test_tokens_equal_transformers_generate(reference, loaded, text, seed, max_t
     prompt = _prompt(loaded, text)
     want, _ = _reference_tokens(reference, prompt, seed, max_tokens, **over)
     got = generate(
-        loaded.model, [prompt], [_settings(gen, max_tokens, **over)], [seed], gen["eos_token_id"]
+        loaded.model,
+        [prompt],
+        [generation_settings(loaded.path, max_tokens, CANVAS, **over)],
+        [seed],
+        gen["eos_token_id"],
     )[0]
     stops = gen["eos_token_id"]
     assert _upto_stop(got, stops) == _upto_stop(want, stops)
@@ -120,7 +111,9 @@ def test_adaptive_stopping_ends_a_canvas_early_as_the_reference(reference, loade
     prompt = _prompt(loaded, "sort 4 2 9")
     over = {"confidence_threshold": 0.3, "stability_threshold": 0}
     want, tokens_per_forward = _reference_tokens(reference, prompt, 5, CANVAS, **over)
-    rows = make_rows(loaded.model, [prompt], [_settings(gen, CANVAS, **over)], [5], [])
+    rows = make_rows(
+        loaded.model, [prompt], [generation_settings(loaded.path, CANVAS, CANVAS, **over)], [5], []
+    )
     got = run_rows(loaded.model, rows)[0]
     assert got == want
     assert rows[0].forwards < gen["max_denoising_steps"]
@@ -130,17 +123,25 @@ def test_adaptive_stopping_ends_a_canvas_early_as_the_reference(reference, loade
 def test_batched_rows_equal_each_alone(loaded):
     gen = json.loads((loaded.path / "generation_config.json").read_text())
     rows = [
-        (_prompt(loaded, "hi there"), 1, _settings(gen, 40)),
-        (_prompt(loaded, "What is 12 + 7? Answer briefly."), 3, _settings(gen, 48)),
+        (_prompt(loaded, "hi there"), 1, generation_settings(loaded.path, 40, CANVAS)),
+        (
+            _prompt(loaded, "What is 12 + 7? Answer briefly."),
+            3,
+            generation_settings(loaded.path, 48, CANVAS),
+        ),
         (
             _prompt(loaded, "abc"),
             8,
-            _settings(gen, 32, max_denoising_steps=5, confidence_threshold=0.5),
+            generation_settings(
+                loaded.path, 32, CANVAS, max_denoising_steps=5, confidence_threshold=0.5
+            ),
         ),
         (
             _prompt(loaded, "sort 4 2 9"),
             6,
-            _settings(gen, 64, confidence_threshold=0.3, stability_threshold=0),
+            generation_settings(
+                loaded.path, 64, CANVAS, confidence_threshold=0.3, stability_threshold=0
+            ),
         ),
     ]
     stops = gen["eos_token_id"]
@@ -188,11 +189,10 @@ def engine(ckpt):
 def _expected(engine, prompt: list[int], seed: int, max_tokens: int, **over) -> list[int]:
     """Our sampler run alone (proven equal to transformers above), cut as served text is:
     at the first stop id (excluded) and at max_tokens."""
-    gen = json.loads((engine.loaded.path / "generation_config.json").read_text())
     tokens = generate(
         engine.loaded.model,
         [prompt],
-        [_settings(gen, max_tokens, **over)],
+        [generation_settings(engine.loaded.path, max_tokens, CANVAS, **over)],
         [seed],
         sorted(engine.stop_ids),
     )[0][:max_tokens]

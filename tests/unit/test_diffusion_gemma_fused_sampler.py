@@ -14,7 +14,7 @@ import torch
 
 from dlm_engine.decoding import uniform_diffusion as ud
 from dlm_engine.loader import load_checkpoint
-from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
+from dlm_lab.testing_diffusion_gemma import generation_settings, make_tiny_diffusion_gemma
 
 
 def test_statistics_compile_as_one_graph_and_equal_the_eager_ones() -> None:
@@ -45,15 +45,7 @@ def loaded(tmp_path_factory):
 
 def _row(loaded, seed: int) -> ud.UniformRow:
     gen = json.loads((Path(loaded.path) / "generation_config.json").read_text())
-    settings = ud.UniformSettings(
-        steps=gen["max_denoising_steps"],
-        t_min=gen["t_min"],
-        t_max=gen["t_max"],
-        entropy_bound=gen["sampler_config"]["entropy_bound"],
-        stability_threshold=gen["stability_threshold"],
-        stop_entropy=gen["confidence_threshold"],
-        canvases=1,
-    )
+    settings = generation_settings(loaded.path, 1, loaded.model.canvas_length)
     (row,) = ud.make_rows(loaded.model, [[5, 6, 7]], [settings], [seed], gen["eos_token_id"])
     row.to_encode = None
     row.start_canvas()

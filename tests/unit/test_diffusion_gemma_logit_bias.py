@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlm_engine.decoding.uniform_diffusion import UniformRow, UniformSettings, run_rows
+from dlm_engine.decoding.uniform_diffusion import UniformRow, run_rows
 from dlm_engine.loader import load_checkpoint
-from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
+from dlm_lab.testing_diffusion_gemma import generation_settings, make_tiny_diffusion_gemma
 
 pytest.importorskip("transformers")
 
@@ -67,15 +67,7 @@ class _AddBias:
 
 def _ours(loaded, prompt, seed, max_tokens, biases) -> list[int]:
     gen = json.loads((loaded.path / "generation_config.json").read_text())
-    settings = UniformSettings(
-        steps=gen["max_denoising_steps"],
-        t_min=gen["t_min"],
-        t_max=gen["t_max"],
-        entropy_bound=gen["sampler_config"]["entropy_bound"],
-        stability_threshold=gen["stability_threshold"],
-        stop_entropy=gen["confidence_threshold"],
-        canvases=-(-max_tokens // CANVAS),
-    )
+    settings = generation_settings(loaded.path, max_tokens, CANVAS)
     model = loaded.model
     row = UniformRow(
         torch.tensor(prompt),

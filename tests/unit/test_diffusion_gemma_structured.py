@@ -15,8 +15,8 @@ import jsonschema
 import pytest
 from structured_cases import CHOICES, GBNF, GBNF_CHECK, LARK, LARK_CHECK, REGEXES, SCHEMAS
 
-from dlm_engine.decoding.uniform_diffusion import UniformSettings, generate
-from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
+from dlm_engine.decoding.uniform_diffusion import generate
+from dlm_lab.testing_diffusion_gemma import generation_settings, make_tiny_diffusion_gemma
 
 pytest.importorskip("transformers")
 
@@ -81,16 +81,7 @@ def test_json_object_regex_choice_and_grammars_hold(engine):
 
 def _alone(engine, prompt: list[int], seed: int, max_tokens: int) -> list[int]:
     """The sampler run alone, cut as served text is (first stop excluded, max_tokens)."""
-    gen = json.loads((engine.loaded.path / "generation_config.json").read_text())
-    settings = UniformSettings(
-        steps=gen["max_denoising_steps"],
-        t_min=gen["t_min"],
-        t_max=gen["t_max"],
-        entropy_bound=gen["sampler_config"]["entropy_bound"],
-        stability_threshold=gen["stability_threshold"],
-        stop_entropy=gen["confidence_threshold"],
-        canvases=-(-max_tokens // CANVAS),
-    )
+    settings = generation_settings(engine.loaded.path, max_tokens, CANVAS)
     tokens = generate(engine.loaded.model, [prompt], [settings], [seed], sorted(engine.stop_ids))
     tokens = tokens[0][:max_tokens]
     stops = [i for i, t in enumerate(tokens) if t in engine.stop_ids]
