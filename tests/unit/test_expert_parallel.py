@@ -216,3 +216,26 @@ def test_diffusion_gemma_ep2_in_fp8_equals_one_device(tmp_path) -> None:
     finally:
         model.close()
     assert all(p.poll() is not None for p in model.workers.procs)
+
+
+def test_diffusion_gemma_ep2_names_a_dead_rank_as_its_fault(tmp_path) -> None:
+    """A killed expert-parallel worker is the engine's fault at once (a server polls it and
+    restarts the model), before any forward fails."""
+    import os
+    import signal
+
+    from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
+
+    path = str(make_tiny_diffusion_gemma(tmp_path / "gemma", seed=4))
+    keys = dict(model=path, dtype="float32", max_rows=2, tensor_parallel_size=2)
+    engine = Engine(EngineConfig(**keys, expert_parallel=True))
+    model = engine.runner.model
+    try:
+        assert engine.fault() is None
+        (pid,) = model.workers.pids
+        os.kill(pid, signal.SIGKILL)
+        model.workers.procs[0].wait(timeout=10)
+        assert f"rank 1 (pid {pid}) exited with signal SIGKILL" in engine.fault()
+    finally:
+        model.close()
+    assert all(p.poll() is not None for p in model.workers.procs)
