@@ -280,7 +280,7 @@ class GrammarCompiler:
             raise InvalidRequestError(field, limits.first_line(matcher.get_error()))
         for pattern in c.patterns:
             self._check_pattern(field, pattern)
-        return Compiled(matcher, self._probe(field, matcher.deep_copy()))
+        return Compiled(matcher, self._probe(field, matcher))  # walks copies of it
 
     def _check_pattern(self, field: str, pattern: str) -> None:
         """One `pattern` of the schema as a JSON string of its own: compiled and walked (its
