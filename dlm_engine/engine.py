@@ -311,6 +311,25 @@ class Engine:
         """Mark a request to leave before the next step (a final `abort` output follows)."""
         self._aborted.append(request_id)
 
+    def warm_up(self, force: bool = False) -> float | None:
+        """Run one short chat request before serving, so that on a CUDA device the fused
+        kernels compile and the first CUDA graphs (one row's prompt forward and in-block
+        steps) are captured here, not inside the first client's request. Returns the seconds
+        it took; None where it does nothing (the CPU compiles nothing), unless `force`. No
+        later request's tokens change: the request leaves compiled kernels and graphs behind,
+        and its prompt's cached pages carry a salt no other request has."""
+        if not force and self.loaded.device.type != "cuda":
+            return None
+        t0 = time.perf_counter()
+        keys: dict[str, Any] = {"max_tokens": 32}
+        if self.model_block or self.family.uniform_diffusion:  # models with a prompt cache
+            keys["cache_salt"] = f"warm-up {uuid.uuid4().hex}"
+        prompt = self.encode_prompt(messages=[{"role": "user", "content": "Hello!"}])
+        out = self.generate([prompt], keys)[0]
+        if out.error:
+            raise RuntimeError(f"the warm-up request failed: {out.error}")
+        return time.perf_counter() - t0
+
     def fault(self) -> str | None:
         """Why this engine can serve no request any more, or None: a tensor-parallel worker
         rank exited, or a forward failed part-way and left the ranks out of step. Only a new

@@ -365,6 +365,14 @@ SETTINGS: tuple[Setting, ...] = (
         "`torch.compile` the elementwise pieces on CUDA devices",
     ),
     Setting(
+        "warmup",
+        "bool",
+        True,
+        "on a CUDA device, run one short request before the model reports ready, so the first "
+        "client's request does not wait while the fused kernels compile and the first CUDA "
+        "graphs are captured (no effect on the CPU, where nothing is compiled)",
+    ),
+    Setting(
         "lookahead",
         "bool",
         True,

@@ -127,6 +127,8 @@ class TritonPythonModel:
         # the main thread stays single-threaded; the engine thread steps with every thread
         self.torch_threads = hand_threads_to_engine_thread()
         self.engine = Engine(EngineConfig(**s.values))
+        # before the model reports ready: kernels compiled, first graphs captured (CUDA)
+        warmup_s = self.engine.warm_up() if s.warmup else None
         self.instance_name = args.get("model_instance_name", "0")
         self.metrics = Metrics(pb_utils, self.model_name, self.instance_name)
         # the launcher counts restarts across server lives and hands the count to each one
@@ -170,6 +172,7 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(
             f"dlm model {self.model_name}: checkpoint={s.model} device={s.device} "
             f"dtype={dtype} ({why}) max_rows={s.max_rows} torch_threads={self.torch_threads} (engine thread)"
+            + ("" if warmup_s is None else f" warm-up={warmup_s:.1f}s")
         )
         # What is loaded now lives as long as the process: frozen, it is out of the cyclic
         # collector's sight, so a full collection does not walk the model's objects (hundreds
