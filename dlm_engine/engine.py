@@ -324,7 +324,10 @@ class Engine:
         keys: dict[str, Any] = {"max_tokens": 32}
         if self.model_block or self.family.uniform_diffusion:  # models with a prompt cache
             keys["cache_salt"] = f"warm-up {uuid.uuid4().hex}"
-        prompt = self.encode_prompt(messages=[{"role": "user", "content": "Hello!"}])
+        if getattr(self.tokenizer, "chat_template", None):  # as chat requests come
+            prompt = self.encode_prompt(messages=[{"role": "user", "content": "Hello!"}])
+        else:  # a base model's tokenizer has no template
+            prompt = self.encode_prompt(text="Hello!")
         out = self.generate([prompt], keys)[0]
         if out.error:
             raise RuntimeError(f"the warm-up request failed: {out.error}")

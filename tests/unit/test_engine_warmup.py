@@ -42,3 +42,9 @@ def test_a_warm_up_changes_no_later_token(tmp_path: Path, kind: str) -> None:
         want = cold.generate([prompt], CASES[kind])[0]
         assert got.token_ids == want.token_ids
         assert got.cached_tokens == want.cached_tokens  # no hit on the warm-up's pages
+
+
+def test_a_tokenizer_without_a_chat_template_warms_up_on_text(tmp_path: Path) -> None:
+    engine = Engine(EngineConfig(model=str(_checkpoint(tmp_path, "llada")), max_rows=2))
+    engine.tokenizer.chat_template = None  # a base model's
+    assert engine.warm_up(force=True) > 0
