@@ -134,7 +134,7 @@ class ParallelGemma(nn.Module):
         return group_fault(self)
 
     def _call(self, header: dict[str, Any], tensors: list[torch.Tensor], run):
-        from .model import TensorParallelError
+        from .model import FAILED_FORWARD_GRACE_S, TensorParallelError
 
         self.workers.check()
         if self.broken is not None:
@@ -145,7 +145,7 @@ class ParallelGemma(nn.Module):
             return run()
         except Exception as exc:
             self.broken = f"{type(exc).__name__}: {exc}"
-            self.workers.check()
+            self.workers.check(grace_s=FAILED_FORWARD_GRACE_S)  # a dead worker: the cause
             raise TensorParallelError(f"expert-parallel forward failed: {exc}") from exc
 
     def _cache_header(self, cache) -> list[int]:

@@ -27,6 +27,10 @@ from .graphs import ParallelGraphs, WorkerGraphs
 _BATCH_FIELDS = ("input_ids", "positions", "key_mask", "logits_index")
 
 
+# after a failed forward, how long a worker's exit may trail the collective's error
+FAILED_FORWARD_GRACE_S = 1.0
+
+
 def group_fault(model: Any) -> str | None:
     """Why a rank-0 model (tensor or expert parallel) can run no forward until its group is
     restarted: a worker rank exited or a node lost one, or a forward failed part-way (the
@@ -191,7 +195,7 @@ class ParallelLM(nn.Module):
             return run()
         except Exception as exc:
             self.broken = f"{type(exc).__name__}: {exc}"
-            self.workers.check()  # a dead worker is the clearer cause
+            self.workers.check(grace_s=FAILED_FORWARD_GRACE_S)  # a dead worker is the clearer cause
             raise TensorParallelError(f"tensor-parallel forward failed: {exc}") from exc
 
     def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:

@@ -106,11 +106,16 @@ class WorkerSet:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def check(self) -> None:
-        """Raise a clear error if any worker has exited (or the set was stopped)."""
+    def check(self, grace_s: float = 0.0) -> None:
+        """Raise a clear error if any worker has exited (or the set was stopped). With
+        `grace_s`, look again until then: after a failed collective, a killed worker's exit
+        can trail the transport's error ("connection reset") by a moment, and the rank that
+        died is the clearer cause to report."""
         from .model import TensorParallelError
 
-        fault = self.fault()
+        deadline = time.monotonic() + grace_s
+        while (fault := self.fault()) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
         if fault is not None:
             raise TensorParallelError(fault)
 
