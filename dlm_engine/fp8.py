@@ -189,8 +189,7 @@ class Fp8Experts(nn.Module):
     @classmethod
     def from_stacked(cls, w: torch.Tensor) -> Fp8Experts:
         """From bf16 stacked weights [E, K, N] (the grouped GEMM's layout)."""
-        q, scale = quantize_rows(w.transpose(-2, -1))
-        return cls(q.contiguous(), scale)
+        return cls.from_linear_stacked(w.transpose(-2, -1))
 
     @classmethod
     def from_linear_stacked(cls, w: torch.Tensor) -> Fp8Experts:
@@ -233,28 +232,31 @@ class Fp8Experts(nn.Module):
             return None
 
 
+# a module's own stacked MoE expert weights [E, ., .] that FP8 quantizes, by name: stored in
+# the grouped GEMM's [E, in, out] layout, or in `F.linear`'s [E, out, in] (DiffusionGemma's)
+EXPERT_STACKS = {
+    "w_gate_up": "in_out",
+    "w_down": "in_out",
+    "gate_up_proj": "out_in",
+    "down_proj": "out_in",
+}
+
+
 def quantize_fp8(model: nn.Module, head: nn.Module | None) -> int:
     """Replace every `nn.Linear` but the output head by an `Fp8Linear`, and stacked MoE
-    expert weights by `Fp8Experts` (`w_gate_up`, `w_down` in the grouped GEMM's layout;
-    DiffusionGemma's `gate_up_proj`, `down_proj` in `F.linear` layout); returns how many
-    were replaced."""
+    expert weights (`EXPERT_STACKS`) by `Fp8Experts`; returns how many were replaced."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child is not head:
                 setattr(parent, name, Fp8Linear.from_linear(child))
                 swapped += 1
-        for name in ("w_gate_up", "w_down"):
-            w = getattr(parent, name, None)
-            if isinstance(w, torch.Tensor):
-                delattr(parent, name)
-                setattr(parent, name, Fp8Experts.from_stacked(w.data))
-                swapped += 1
-        for name in ("gate_up_proj", "down_proj"):  # a module's own 3-D parameters only
-            w = getattr(parent, name, None)
+        for name, layout in EXPERT_STACKS.items():
+            w = getattr(parent, name, None)  # a tensor: not a (quantized) linear layer
             if isinstance(w, torch.Tensor) and w.dim() == 3:
                 delattr(parent, name)
-                setattr(parent, name, Fp8Experts.from_linear_stacked(w.data))
+                stacked = w.data if layout == "out_in" else w.data.transpose(-2, -1)
+                setattr(parent, name, Fp8Experts.from_linear_stacked(stacked))
                 swapped += 1
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

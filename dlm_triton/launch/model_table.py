@@ -86,6 +86,7 @@ def weight_bytes(config: dict[str, Any]) -> tuple[str, int, float, float, float,
     import torch
     from torch import nn
 
+    from dlm_engine.fp8 import EXPERT_STACKS
     from dlm_engine.models import build_model, detect_family
     from dlm_engine.quantization import _output_head
 
@@ -105,17 +106,14 @@ def weight_bytes(config: dict[str, Any]) -> tuple[str, int, float, float, float,
         if isinstance(module, nn.Linear) and module is not head:
             linear_weights += module.weight.numel()
             linear_rows += module.out_features
-    # stacked MoE experts: FP8 quantizes them too (a float32 scale per expert and output
-    # channel), bitsandbytes does not; [E, in, out] (`w_gate_up`, `w_down`) or, as
-    # DiffusionGemma publishes them, [E, out, in] (`gate_up_proj`, `down_proj`)
+    # stacked MoE experts (the ones `quantize_fp8` swaps): FP8 quantizes them too (a float32
+    # scale per expert and output channel), bitsandbytes does not
     expert_weights = expert_columns = 0
     for name, p in model.named_parameters():
-        if p.dim() == 3 and name.endswith(("w_gate_up", "w_down")):
+        layout = EXPERT_STACKS.get(name.rsplit(".", 1)[-1])
+        if p.dim() == 3 and layout is not None:
             expert_weights += p.numel()
-            expert_columns += p.shape[0] * p.shape[2]
-        elif p.dim() == 3 and name.endswith(("gate_up_proj", "down_proj")):
-            expert_weights += p.numel()
-            expert_columns += p.shape[0] * p.shape[1]
+            expert_columns += p.shape[0] * (p.shape[2] if layout == "in_out" else p.shape[1])
     rest = 2.0 * (total - linear_weights)  # bf16
     int8 = rest + INT8_BYTES * linear_weights + 4.0 * linear_rows
     nf4 = rest + NF4_BYTES * linear_weights
