@@ -355,7 +355,18 @@ class Engine:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Admit, run one denoising step for every running row, retire finished rows."""
+        """Admit, run one denoising step for every running row, retire finished rows.
+
+        The step runs with the model's GPU as the current device, whichever thread calls it:
+        streams, events and kernels made without a device take the current one, and a
+        replica on cuda:1 stepped from a thread still on cuda:0 (the warm-up, run where the
+        server loads the model) would read a copy before it had landed."""
+        if self.loaded.device.type != "cuda":
+            return self._step()
+        with torch.cuda.device(self.loaded.device):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
         outputs = self.drain_aborted()
         if not self.runner.holds_lookahead_for(self.scheduler.running):

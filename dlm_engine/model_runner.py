@@ -306,7 +306,7 @@ class ModelRunner:
         pinned = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
         pinned.copy_(rows, non_blocking=True)
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(self.device))  # the copy's stream, on its GPU
         self._look_ahead(seqs)
         copied.synchronize()  # the one copy (the next forward keeps the device busy)
         return pinned.tolist()

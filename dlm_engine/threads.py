@@ -12,6 +12,19 @@ from __future__ import annotations
 
 import torch
 
+# A GPU engine's CPU ops are bookkeeping on small tensors: a few threads run them as fast as
+# every core does, and one replica per GPU on a shared host, each with a thread per core, would
+# oversubscribe the cores (OpenMP workers of two processes contending for each core).
+GPU_ENGINE_THREADS = 4
+
+
+def engine_threads(configured: int, default: int, device: torch.device) -> int:
+    """The engine thread's torch thread count: `configured` when set (> 0), else `default`
+    (the process's count) on the CPU and at most `GPU_ENGINE_THREADS` of it on a GPU."""
+    if configured > 0:
+        return configured
+    return min(default, GPU_ENGINE_THREADS) if device.type == "cuda" else default
+
 
 def hand_threads_to_engine_thread() -> int:
     """Make the calling (main) thread single-threaded for torch; return the thread count the

@@ -373,6 +373,15 @@ SETTINGS: tuple[Setting, ...] = (
         "graphs are captured (no effect on the CPU, where nothing is compiled)",
     ),
     Setting(
+        "engine_threads",
+        "int",
+        0,
+        "torch CPU threads of the thread that steps the engine; 0: every core on the CPU, at "
+        "most 4 on a GPU, where a step's CPU work is bookkeeping on small tensors and replicas "
+        "that share the host's cores (one per GPU) would each take every core",
+        minimum=0,
+    ),
+    Setting(
         "lookahead",
         "bool",
         True,

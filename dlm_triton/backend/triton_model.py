@@ -108,7 +108,7 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         from dlm_engine import Engine, EngineConfig, EngineLoop
         from dlm_engine.models.common import FusedKernels
-        from dlm_engine.threads import hand_threads_to_engine_thread
+        from dlm_engine.threads import engine_threads, hand_threads_to_engine_thread
         from dlm_triton.backend.orphan import exit_when_orphaned
 
         # tritonserver starts this stub and cannot make it die with it: a tritonserver that
@@ -125,8 +125,11 @@ class TritonPythonModel:
         )
         s = self.settings
         # the main thread stays single-threaded; the engine thread steps with every thread
-        self.torch_threads = hand_threads_to_engine_thread()
+        process_threads = hand_threads_to_engine_thread()
         self.engine = Engine(EngineConfig(**s.values))
+        self.torch_threads = engine_threads(
+            self.engine.config.engine_threads, process_threads, self.engine.loaded.device
+        )
         # before the model reports ready: kernels compiled, first graphs captured (CUDA)
         warmup_s = self.engine.warm_up() if s.warmup else None
         self.instance_name = args.get("model_instance_name", "0")

@@ -1,13 +1,17 @@
 """Two engine replicas of one model behind one real tritonserver (data_parallel_size 2, CPU
-instances): both serve, new requests go to the replica that is not busy, each replica's load
+instances): both serve, new requests go to the replica that is not busy, a burst sent at once
+over one gRPC connection (as the OpenAI proxy sends) splits between them, each replica's load
 board file exists while it serves and nothing of it is left after the server stops."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from dlm_client import DLMClient
 from triton_metrics import scrape
@@ -44,6 +48,50 @@ def wider_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Wide enough that a 256-step request keeps its replica busy for seconds on a CPU."""
     out = tmp_path_factory.mktemp("dp") / "wider-llada"
     return testing.make_tiny_checkpoint(out, "llada", d_model=256, n_layers=4)
+
+
+async def _burst(url: str, model: str, n: int) -> list[str]:
+    """`n` streamed requests sent at once on one aio client (one HTTP/2 connection, as the
+    proxy's); their final finish reasons."""
+    from tritonclient.grpc.aio import InferenceServerClient, InferInput
+
+    def inputs() -> list[InferInput]:
+        values = {
+            "text_input": np.array([[b"Name a color."]], dtype=np.object_),
+            "stream": np.array([[False]]),
+            "sampling_parameters": np.array(
+                [[json.dumps({"max_tokens": 16, "steps": 16, "suppress_eos": True}).encode()]],
+                dtype=np.object_,
+            ),
+        }
+        out = []
+        for name, array in values.items():
+            tensor = InferInput(name, list(array.shape), "BOOL" if name == "stream" else "BYTES")
+            tensor.set_data_from_numpy(array)
+            out.append(tensor)
+        return out
+
+    async def one(client: InferenceServerClient, i: int) -> str:
+        done = asyncio.Event()
+
+        async def requests():
+            yield {"model_name": model, "inputs": inputs(), "request_id": f"burst-{i}"}
+            await done.wait()
+
+        reason = ""
+        async for result, error in client.stream_infer(requests()):
+            assert error is None, error
+            reason = result.as_numpy("finish_reason").reshape(-1)[0].decode()
+            if reason:
+                break
+        done.set()
+        return reason
+
+    client = InferenceServerClient(url)
+    try:
+        return await asyncio.gather(*(one(client, i) for i in range(n)))
+    finally:
+        await client.close()
 
 
 def _boards(server) -> list[Path]:
@@ -89,5 +137,16 @@ def test_two_replicas_share_the_work_by_load(server_factory, wider_checkpoint: P
     # ones (the first may reach it before its load shows); spread by count it takes about half
     if short_while_long:
         assert got[0] <= 3, (before, after)
+
+    # a burst on one connection: Triton queues it while an instance is in execute(); each
+    # request must still be steered on its own (no dynamic batcher handing the queue to one
+    # instance whole), so the idle replicas share it
+    before = _counts_once_settled(server, sum(after.values()))
+    reasons = asyncio.run(_burst(server.urls["grpc"], server.model_name, SHORTS))
+    assert reasons == ["length"] * SHORTS, reasons
+    after = _counts_once_settled(server, sum(before.values()) + SHORTS)
+    split = sorted(after[k] - before.get(k, 0.0) for k in after)
+    print(f"a burst of {SHORTS} on one connection, per replica: {split}")
+    assert sum(split) == SHORTS and split[0] >= SHORTS // 2 - 1, (before, after)
     server.stop()
     assert not boards[0].exists()

@@ -181,3 +181,17 @@ def test_engine_loop_thread_takes_the_torch_threads(engines: dict[str, Engine]) 
         assert torch.get_num_threads() == 1  # the caller's own count is untouched
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_gpu_engine_thread_takes_a_few_threads() -> None:
+    """0 (the default): every thread on the CPU, at most GPU_ENGINE_THREADS on a GPU (replicas
+    sharing a host must not each take every core); a configured count wins either way."""
+    import torch
+
+    from dlm_engine.threads import GPU_ENGINE_THREADS, engine_threads
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 1)
+    assert engine_threads(0, 32, cpu) == 32
+    assert engine_threads(0, 32, gpu) == GPU_ENGINE_THREADS < 32
+    assert engine_threads(0, 2, gpu) == 2
+    assert engine_threads(12, 32, gpu) == 12 and engine_threads(3, 32, cpu) == 3
