@@ -509,7 +509,7 @@ def main() -> None:
         dtype="float32" if args.tiny else "bfloat16",
         max_rows=max(batches),
         max_prompt=args.prompt + 16,
-        max_canvas=args.output,
+        max_canvas=max(args.output, 2 * model.canvas_length),  # the warm-up's two canvases
         max_step_tokens=1 << 24,
         max_queue=4 * max(batches),
         **({"encode_step_tokens": args.encode_step_tokens} if args.encode_step_tokens else {}),

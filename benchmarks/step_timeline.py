@@ -84,13 +84,23 @@ class Timeline:
         }
 
 
+def on_device(event: Any) -> bool:
+    """Whether a Kineto event is work the GPU ran: by its activity type where the event has
+    one (newer PyTorch), else by its device (a kernel, copy or memset is a CUDA event; the
+    host's runtime calls are CPU events)."""
+    activity = getattr(event, "activity_type", None)
+    if activity is not None:
+        return str(activity()) in DEVICE_ACTIVITIES
+    return event.device_type() == torch.autograd.DeviceType.CUDA
+
+
 def timeline_of(events: list[Any], window: Interval, has_device: bool) -> Timeline:
-    """Sort Kineto events (`name()`, `activity_type()`, `start_ns()`, `end_ns()`) into device
-    work and blocking host calls."""
+    """Sort Kineto events (`name()`, `start_ns()`, `end_ns()`, and `activity_type()` or
+    `device_type()`) into device work and blocking host calls."""
     device, blocked = [], []
     for e in events:
         span = (int(e.start_ns()), int(e.end_ns()))
-        if str(e.activity_type()) in DEVICE_ACTIVITIES:
+        if on_device(e):
             device.append(span)
         elif e.name() in BLOCKING_CALLS:
             blocked.append(span)

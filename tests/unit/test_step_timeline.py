@@ -62,6 +62,40 @@ def test_busy_fraction_and_host_time(timeline) -> None:
     assert report["host_ms_per_step"] == pytest.approx(700 / 2 / 1e6)
 
 
+class _OlderEvent:
+    """An event of a PyTorch whose Kineto events have a device type but no activity type."""
+
+    def __init__(self, name: str, on_gpu: bool, start: int, end: int) -> None:
+        self._name, self._on_gpu, self._start, self._end = name, on_gpu, start, end
+
+    def name(self) -> str:
+        return self._name
+
+    def device_type(self):
+        import torch
+
+        return torch.autograd.DeviceType.CUDA if self._on_gpu else torch.autograd.DeviceType.CPU
+
+    def start_ns(self) -> int:
+        return self._start
+
+    def end_ns(self) -> int:
+        return self._end
+
+
+def test_events_without_an_activity_type_sort_by_device(timeline) -> None:
+    events = [
+        _OlderEvent("gemm", True, 100, 400),
+        _OlderEvent("Memcpy DtoH", True, 700, 800),
+        _OlderEvent("cudaStreamSynchronize", False, 500, 800),
+        _OlderEvent("cudaLaunchKernel", False, 90, 95),
+        _OlderEvent("aten::mm", False, 0, 1000),
+    ]
+    report = timeline.timeline_of(events, (0, 1000), has_device=True).report(steps=2)
+    assert report["device_busy"] == pytest.approx(0.4)
+    assert report["blocked_ms"] == pytest.approx(300 / 1e6)
+
+
 def test_a_cpu_engine_run_reports_host_time_only(timeline, engines) -> None:
     eng = engines["llada"]
     with timeline.StepTimeline() as t:
