@@ -165,8 +165,9 @@ def main() -> None:
         ckpt = write_random_checkpoint(args.model, tmp, args.device)
         print(f"checkpoint written in {time.perf_counter() - t0:.1f} s", flush=True)
         gen = torch.Generator().manual_seed(0)
-        prompts = torch.randint(100, 30000, (32, PROMPT), generator=gen).tolist()
         runs = [(m, int(b)) for m, b in (r.split(":") for r in args.runs.split(","))]
+        n_prompts = max(32, *(b for _, b in runs))  # every row of the widest run its own prompt
+        prompts = torch.randint(100, 30000, (n_prompts, PROMPT), generator=gen).tolist()
         names = args.configs.split(",")
         results = {name: measure(ckpt, name, args, prompts, runs) for name in names}
     finally:
