@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from ..gptq_checkpoint import int4_format
 from ..hub import resolve_checkpoint
 from ..loader import LoadedModel, load_checkpoint
 from ..models import Family, build_model, detect_family
+from ..threads import engine_threads
 from .channel import Channel
 from .group import LOCALHOST, host_store, init_group, rank_device
 from .model import ParallelLM
@@ -101,6 +103,15 @@ def load_rank(spec: dict[str, Any], rank: int, world: int) -> LoadedModel:
     return load_checkpoint(spec["path"], spec["dtype"], str(device), quantization, weights=reader)
 
 
+def worker_threads(config: Any) -> int:
+    """Torch CPU threads of each worker rank: the caller's count on the CPU, on a GPU the
+    engine thread's (`engine_threads`: at most a few unless configured)."""
+    device = torch.device(config.device)
+    if device.type == "cpu":
+        return torch.get_num_threads()
+    return engine_threads(int(config.engine_threads), os.cpu_count() or 1, device)
+
+
 def start_tensor_parallel(config: EngineConfig) -> LoadedModel:
     """Rank 0's loaded model (a `ParallelLM` over its shard) with workers 1..N-1 running
     (those of other hosts under their node processes)."""
@@ -124,7 +135,9 @@ def start_tensor_parallel(config: EngineConfig) -> LoadedModel:
         "world": world,
         "port": store.port,
         "timeout_s": TIMEOUT_S,
-        "threads": torch.get_num_threads() if torch.device(config.device).type == "cpu" else 0,
+        # a GPU rank's CPU work is bookkeeping: a few threads, so the ranks of a host (and
+        # other replicas beside them) do not each take every core (dlm_engine/threads.py)
+        "threads": worker_threads(config),
         # the model runner compiles the elementwise pieces on CUDA: every rank alike, so the
         # replicated hidden states (and LLaDA2's routing of them) agree bit for bit
         "fused_kernels": bool(config.fused_kernels),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -195,3 +196,15 @@ def test_a_gpu_engine_thread_takes_a_few_threads() -> None:
     assert engine_threads(0, 32, gpu) == GPU_ENGINE_THREADS < 32
     assert engine_threads(0, 2, gpu) == 2
     assert engine_threads(12, 32, gpu) == 12 and engine_threads(3, 32, cpu) == 3
+    # tensor-parallel worker ranks on a GPU take the same few threads; on the CPU the caller's
+    from types import SimpleNamespace
+
+    from dlm_engine.parallel.start import worker_threads
+
+    cores = os.cpu_count() or 1
+    on_gpu = SimpleNamespace(device="cuda:1", engine_threads=0)
+    assert worker_threads(on_gpu) == min(cores, GPU_ENGINE_THREADS)
+    assert worker_threads(SimpleNamespace(device="cuda", engine_threads=6)) == 6
+    assert (
+        worker_threads(SimpleNamespace(device="cpu", engine_threads=0)) == torch.get_num_threads()
+    )
