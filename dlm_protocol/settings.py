@@ -257,7 +257,8 @@ SETTINGS: tuple[Setting, ...] = (
         "max_queue",
         "int",
         limits.MAX_QUEUE,
-        "requests in flight (waiting or running) before `overloaded:` errors",
+        "requests in flight (waiting or running) at most; one more is refused at once with an "
+        "`overloaded:` error (HTTP 503 + Retry-After from the proxy)",
         minimum=1,
         in_config=True,
     ),
