@@ -393,9 +393,10 @@ SETTINGS: tuple[Setting, ...] = (
         "kv_cache_tokens",
         "int",
         0,
-        "block-diffusion models (SDAR, LLaDA2): tokens of the KV page pool; 0 = a share of the "
-        "GPU memory free after loading (`kv_cache_memory_fraction`), 32,768 on CPU (at least "
-        "one row of `max_prompt` + `max_canvas`, at most `max_rows` of them)",
+        "block-diffusion models (SDAR, LLaDA2, Fast-dLLM v2): tokens of the KV page pool; "
+        "0 = a share of the GPU memory free after loading (`kv_cache_memory_fraction`), "
+        "32,768 on CPU (at least one row of `max_prompt` + `max_canvas`, at most `max_rows` "
+        "of them)",
         minimum=0,
     ),
     Setting(
