@@ -54,7 +54,11 @@ def _serve_parser(sub: Any) -> None:
     also.add_argument(
         "--no-also", action="store_true", help="serve the main model only (no companions)"
     )
-    p.add_argument("--model-name", help="Triton model name for a checkpoint directory")
+    p.add_argument(
+        "--model-name",
+        help="Triton model name for a checkpoint directory or hub id (default: its last "
+        "path part, lower-cased)",
+    )
     p.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda"],
@@ -140,7 +144,9 @@ def _generate_parser(sub: Any) -> None:
     )
     p.add_argument("prompt")
     p.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC address")
-    p.add_argument("--http-url", help="Triton HTTP base (with --http)")
+    p.add_argument(
+        "--http-url", help="Triton HTTP base (with --http; default: --url's host, port 8000)"
+    )
     p.add_argument("--http", action="store_true", help="use HTTP generate_stream instead of gRPC")
     p.add_argument("--model", default=DEFAULT_MODEL, help="the Triton model to ask")
     p.add_argument("--stream", action="store_true", help="print deltas as they commit")
