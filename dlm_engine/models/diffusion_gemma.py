@@ -226,8 +226,9 @@ class GemmaAttention(nn.Module):
         return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None):
-        """One row's attention (scale 1): q [1, H, T, d]. Query heads share key heads (GQA)
-        inside the kernel on the GPU; on the CPU keys are repeated, as the reference does."""
+        """Attention (scale 1) of rows with keys of one length: q [n, H, T, d], k/v [n, KV,
+        S, d]. Query heads share key heads (GQA) inside the kernel on the GPU; on the CPU keys
+        are repeated, as the reference does."""
         rep = self.n_heads // self.kv_heads
         if q.is_cuda and (mask is not None or self.head_dim > 256):
             out = _grouped_attention(q, k, v, mask)
@@ -253,16 +254,17 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=N
     encoder's causal and sliding masks) with grouped key heads. Each key head's query heads
     go through one bf16 product with float32 scores, a float32 softmax and one bf16 product
     with the values, in chunks of queries. `mask` [T, S] is True where a query may look;
-    None where `bmm(out_dtype=)` is missing."""
+    None where `bmm(out_dtype=)` is missing. Rows (the batch) fold into the products' batch."""
     if _GROUPED_ATTENTION_FAILED:
         return None
-    _, heads, t, d = q.shape
+    n, heads, t, d = q.shape
     kv, s = k.shape[1], k.shape[2]
     rep = heads // kv
-    qg = q[0].reshape(kv, rep, t, d)  # query heads h use key head h // rep
-    kt, vg = k[0].transpose(-1, -2), v[0]
+    qg = q.reshape(n * kv, rep, t, d)  # query heads h use key head h // rep
+    kt, vg = k.reshape(n * kv, s, d).transpose(-1, -2), v.reshape(n * kv, s, d)
+    kv *= n  # each row's key heads are a batch of their own
     out = q.new_empty(kv, rep, t, d)
-    step = max(1, _SCORES_PER_CHUNK // (heads * s))
+    step = max(1, _SCORES_PER_CHUNK // (n * heads * s))
     if mask is not None:  # smaller chunks see fewer keys (causal, sliding window)
         step = min(step, _MASKED_QUERIES_PER_CHUNK)
     for a in range(0, t, step):
@@ -286,7 +288,7 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=N
             scores = scores.view(kv, rep, b - a, hi - lo).masked_fill_(~chunk_mask, float("-inf"))
         probs = scores.view(kv, rep * (b - a), hi - lo).softmax(dim=-1).to(v.dtype)
         out[:, :, a:b] = torch.bmm(probs, vg[:, lo:hi]).view(kv, rep, b - a, d)
-    return out.view(1, heads, t, d)
+    return out.view(n, heads, t, d)
 
 
 class GemmaMLP(nn.Module):
@@ -520,6 +522,16 @@ class RowCache:
         return kb[:, : s + length], vb[:, : s + length]
 
 
+def same_length_rows(caches: list[RowCache]) -> list[list[int]]:
+    """The rows (indices into `caches`) grouped by encoded length, first-seen order: rows of
+    one group have keys of one length at every layer, so a decoder layer attends over them in
+    one batched call instead of one call a row (one row's call fills a fraction of the GPU)."""
+    groups: dict[int, list[int]] = {}
+    for r, cache in enumerate(caches):
+        groups.setdefault(cache.length, []).append(r)
+    return list(groups.values())
+
+
 class DiffusionGemmaModel(nn.Module):
     """The text model: `encode` a span into a row's cache, `decode` canvases over caches."""
 
@@ -668,6 +680,7 @@ class DiffusionGemmaModel(nn.Module):
         x = self._embed(canvas)
         x = dec.self_conditioning(x, signal)
         pos = offsets[:, None] + torch.arange(length, device=canvas.device)[None]
+        groups = same_length_rows(caches)
         ropes: dict[LayerShape, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, layer in enumerate(dec.layers):
             shape = layer.self_attn.shape
@@ -675,10 +688,22 @@ class DiffusionGemmaModel(nn.Module):
                 ropes[shape] = self._rope(shape, pos, x.dtype)
             cos, sin = ropes[shape]
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
-            rows = []
-            for r, cache in enumerate(caches):
-                kr, vr = cache.with_canvas(i, k[r], v[r])
-                rows.append(layer.self_attn.attend(q[r : r + 1], kr[None], vr[None]))
+            rows: list[torch.Tensor | None] = [None] * b
+            for group in groups:
+                keys, values = zip(
+                    *(caches[r].with_canvas(i, k[r], v[r]) for r in group), strict=True
+                )
+                if len(group) == 1:  # its cache buffer as it is: no copy
+                    r = group[0]
+                    out = layer.self_attn.attend(q[r : r + 1], keys[0][None], values[0][None])
+                else:
+                    out = layer.self_attn.attend(
+                        torch.cat([q[r : r + 1] for r in group]),
+                        torch.stack(keys),
+                        torch.stack(values),
+                    )
+                for j, r in enumerate(group):
+                    rows[r] = out[j : j + 1]
             attn = torch.cat(rows).transpose(1, 2).reshape(b, length, -1)
             x = layer.feed_forward(x, attn, layer.layer_scalar)
         return dec.norm(x)

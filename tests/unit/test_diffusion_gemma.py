@@ -280,3 +280,51 @@ def test_logprobs_of_the_canvas_tokens(engine):
         assert e["top_logprobs"][0]["token_id"] == e["token_id"]
         assert e["top_logprobs"][0]["logprob"] == pytest.approx(e["logprob"])
         assert 1 <= e["step"] <= out.steps
+
+
+def test_rows_of_one_length_attend_together_as_each_alone(loaded, monkeypatch):
+    """Rows whose caches hold as many positions attend in one batched call a layer
+    (`same_length_rows`): the decoder's hidden states equal those of one call a row, bit for
+    bit, in a batch that also holds a row of another length."""
+    from dlm_engine.models import diffusion_gemma as dg
+
+    model = loaded.model
+    gen = torch.Generator().manual_seed(5)
+    lengths = [9, 9, 6, 9]
+    caches = [dg.RowCache(len(model._decoder.layers), room=CANVAS) for _ in lengths]
+    prompts = [torch.randint(3, model.vocab_size, (n,), generator=gen) for n in lengths]
+    model.encode(list(zip(prompts, caches, strict=True)))
+    assert dg.same_length_rows(caches) == [[0, 1, 3], [2]]
+    canvas = torch.randint(3, model.vocab_size, (len(lengths), CANVAS), generator=gen)
+    soft = [None, torch.randn(1, CANVAS, model.arch.hidden_size, generator=gen), None, None]
+    together = model.decode_hidden(canvas, soft, caches)
+    monkeypatch.setattr(dg, "same_length_rows", lambda cs: [[r] for r in range(len(cs))])
+    alone = model.decode_hidden(canvas, soft, caches)
+    assert torch.equal(together, alone)
+
+
+def test_grouped_attention_over_several_rows_equals_each_row():
+    """The GPU's grouped-head attention (wide heads, masked spans) folds rows into its
+    products' batch: each row's output equals that row alone and plain attention."""
+    from dlm_engine.models.diffusion_gemma import _grouped_attention
+
+    gen = torch.Generator().manual_seed(0)
+    n, heads, kv, t, s, d = 3, 8, 2, 5, 11, 16
+    q = torch.randn(n, heads, t, d, generator=gen)
+    k = torch.randn(n, kv, s, d, generator=gen)
+    v = torch.randn(n, kv, s, d, generator=gen)
+    mask = torch.rand(t, s, generator=gen) > 0.3
+    mask[:, 0] = True  # every query sees a key
+    for m in (None, mask):
+        rows = _grouped_attention(q, k, v, m)
+        for r in range(n):
+            alone = _grouped_attention(q[r : r + 1], k[r : r + 1], v[r : r + 1], m)
+            torch.testing.assert_close(rows[r : r + 1], alone, rtol=1e-6, atol=1e-6)
+            plain = torch.nn.functional.scaled_dot_product_attention(
+                q[r : r + 1],
+                k[r : r + 1].repeat_interleave(heads // kv, 1),
+                v[r : r + 1].repeat_interleave(heads // kv, 1),
+                attn_mask=m,
+                scale=1.0,
+            )
+            torch.testing.assert_close(rows[r : r + 1], plain, rtol=1e-5, atol=1e-5)
