@@ -194,3 +194,17 @@ def test_prefix_cache_keeps_the_position_before_the_first_decoded_one(ckpt: str)
     hits = engine.runner.prefix_cache.hit_tokens
     assert engine.generate([prompt], case)[0].token_ids == expected
     assert engine.runner.prefix_cache.hit_tokens - hits == 16
+
+
+def test_logit_bias_bans_and_forces_tokens(engine: Engine) -> None:
+    """OpenAI's `logit_bias` on Fast-dLLM v2's sub-block rows: -100 keeps a token out of the
+    answer, +100 puts it at every position."""
+    prompt = engine.encode_prompt(messages=[{"role": "user", "content": "Sort: 5 3 9 1"}])
+    keys = {"max_tokens": 16}
+    plain = engine.generate([prompt], keys)[0].token_ids
+    banned = plain[0]
+    out = engine.generate([prompt], dict(keys, logit_bias={str(banned): -100}))[0].token_ids
+    assert banned not in out
+    (forced,) = engine.tokenizer.encode("q", add_special_tokens=False)
+    out = engine.generate([prompt], dict(keys, logit_bias={forced: 100}))[0].token_ids
+    assert out == [forced] * 16
