@@ -9,7 +9,11 @@ slices of the safetensors), then for each configuration (`tpN`: N ranks; `tpNep`
 the routed experts spread whole over them): one forward's logits over a prompt and masked
 canvas, greedy tokens of a few requests (exact mode), and the throughput of the benchmark
 schedule (prompt 64, canvas 256, block 32, 64 steps) for each `--runs` mode:batch, each
-against the first configuration. CUDA graphs are captured on every rank (`--no-graphs`: eager).
+against the first configuration, with the mean time of one forward. For block-diffusion
+models each configuration also reports the distinct routed experts an in-block forward of one
+request selects per MoE layer and rank 0's weight-read floor of that forward (its shard's
+weights, the selected share of the experts, at the measured copy bandwidth; all-reduce time
+not included). CUDA graphs are captured on every rank (`--no-graphs`: eager).
 Random weights make logits nearly flat, so rounding differences between one matmul and a
 sharded one followed by an all-reduce can flip greedy tokens; the logits' relative error is
 the figure that says whether the shards compute the same model.
@@ -78,16 +82,69 @@ def schedule(mode: str, max_tokens: int) -> dict:
     return params
 
 
-def run(engine: Engine, batch: int, mode: str, prompts: list[list[int]]) -> float:
+def run(engine: Engine, batch: int, mode: str, prompts: list[list[int]]) -> tuple[float, float]:
+    """Generated tok/s of the schedule at `batch`, and the mean ms of one forward (a step)."""
     params = schedule(mode, CANVAS)
     eager = mode == "exact" and batch * (PROMPT + CANVAS) > engine.config.cuda_graph_max_tokens
     # warm-up: allocations and graph captures (eager forwards capture nothing: one block)
     engine.generate(prompts[:batch], schedule(mode, BLOCK) if eager else params)
     sync_empty(engine.config.device)
+    f0 = engine.runner.forward_passes
     t = time.perf_counter()
     outs = engine.generate(prompts[:batch], params)
     sync_empty(engine.config.device)
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+    seconds = time.perf_counter() - t
+    forwards = max(1, engine.runner.forward_passes - f0)
+    return sum(len(o.token_ids) for o in outs) / seconds, seconds / forwards * 1e3
+
+
+def distinct_experts(engine: Engine, prompt: list[int]) -> float | None:
+    """Mean distinct routed experts one MoE layer selects in an in-block forward of one
+    request (LLaDA2's router on these weights), or None for a model without routed experts.
+    The weight-read floor of a batch-1 step counts these, not all experts."""
+    from dlm_engine.models import llada2
+
+    seen: list[tuple[int, int]] = []  # (tokens routed, distinct experts) per MoE layer call
+    original = llada2.run_experts
+
+    def counting(flat, chosen, *args, **kw):
+        seen.append((int(chosen.shape[0]), int(chosen.unique().numel())))
+        return original(flat, chosen, *args, **kw)
+
+    llada2.run_experts = counting
+    try:
+        engine.generate([prompt], schedule("block", BLOCK))
+    finally:
+        llada2.run_experts = original
+    if not seen:
+        return None
+    fewest = min(tokens for tokens, _ in seen)  # in-block forwards: the block's tokens only
+    counts = [n for tokens, n in seen if tokens == fewest]
+    return sum(counts) / len(counts)
+
+
+def floor_ms(engine: Engine, experts: float | None, bandwidth: float) -> float:
+    """Batch-1 weight-read floor of a forward on rank 0: every weight of its shard but the
+    embedding, routed experts counted by the share a forward selects (`experts` of the
+    model's experts: a tensor-parallel rank holds a slice of every expert, an expert-parallel
+    one whole experts of its own), at `bandwidth`. All-reduce time is not included."""
+    import itertools
+
+    lm = engine.runner.model
+    model = getattr(lm, "local", lm)  # rank 0's shard under tensor parallel
+    total_experts = int(getattr(getattr(model, "arch", None), "num_experts", 0) or 0)
+    share = experts / total_experts if experts is not None and total_experts else None
+    total = 0.0
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if "embed" in name or "word_embeddings" in name:
+            continue
+        if t.dim() < 2 or not t.is_floating_point():
+            continue
+        nbytes = t.numel() * t.element_size()
+        if share is not None and t.dim() == 3:  # stacked experts [E, in, out]
+            nbytes *= share
+        total += nbytes
+    return total / bandwidth * 1e3
 
 
 def parse_config(name: str) -> tuple[int, bool]:
@@ -116,8 +173,13 @@ def measure(ckpt: Path, name: str, args, prompts, runs) -> dict:
     res["tokens"] = [o.token_ids for o in engine.generate(prompts[:4], greedy)]
     for mode, b in runs:
         key = f"{mode}_b{b}_tok_s"
-        res[key] = run(engine, b, mode, prompts)
+        res[key], res[f"{mode}_b{b}_ms_per_forward"] = run(engine, b, mode, prompts)
         print(f"{name} {mode:5s} batch {b:3d}: {res[key]:8.1f} tok/s", flush=True)
+    if engine.model_block:  # block diffusion: a batch-1 in-block forward's weight-read floor
+        res["distinct_experts"] = distinct_experts(engine, prompts[0])
+        res["floor_ms_b1"] = floor_ms(engine, res["distinct_experts"], args.bandwidth)
+        print(f"{name} batch-1 floor {res['floor_ms_b1']:.2f} ms a forward, distinct experts "
+              f"a layer {res['distinct_experts']}", flush=True)  # fmt: skip
     graphs = engine.runner.graphs
     res["graph_captures"] = graphs.captures if graphs is not None else 0
     close = getattr(engine.runner.model, "close", None)
@@ -158,6 +220,14 @@ def main() -> None:
         print(
             f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()} torch={torch.__version__}"
         )
+    args.bandwidth = 0.0
+    if args.device.startswith("cuda"):
+        from gpu_bench_block import copy_bandwidth
+
+        args.bandwidth = copy_bandwidth(torch.device(args.device))
+        print(f"copy bandwidth {args.bandwidth / 1e12:.2f} TB/s", flush=True)
+    else:  # a CPU smoke run: any positive figure
+        args.bandwidth = 1e10
     shm = Path("/dev/shm")
     tmp = Path(tempfile.mkdtemp(prefix="tp-ckpt-", dir=shm if shm.is_dir() else None))
     try:
@@ -188,7 +258,12 @@ def main() -> None:
         summary[f"{name}_vs_{base_name}"] = {
             "logits_rel_error": rel, "argmax_agreement": agree, "identical_greedy": same,
         }  # fmt: skip
+    for key in ("distinct_experts", "floor_ms_b1"):
+        if key in base:
+            summary[key] = {name: results[name].get(key) for name in names}
     for key in base:
+        if key.endswith("ms_per_forward"):
+            summary[key] = {name: results[name][key] for name in names}
         if key.endswith("tok_s"):
             summary[key] = {name: results[name][key] for name in names}
             for name in names[1:]:
