@@ -112,10 +112,12 @@ def distinct_experts(engine: Engine, prompt: list[int]) -> float | None:
         return original(flat, chosen, *args, **kw)
 
     llada2.run_experts = counting
+    graphs, engine.runner.graphs = engine.runner.graphs, None  # eager: a replay runs no Python
     try:
         engine.generate([prompt], schedule("block", BLOCK))
     finally:
         llada2.run_experts = original
+        engine.runner.graphs = graphs
     if not seen:
         return None
     fewest = min(tokens for tokens, _ in seen)  # in-block forwards: the block's tokens only
