@@ -124,7 +124,8 @@ class TritonPythonModel:
             model_dir=model_dir.parent if model_dir.name.isdigit() else model_dir,
         )
         s = self.settings
-        # the main thread stays single-threaded; the engine thread steps with every thread
+        # the main thread stays single-threaded; the engine thread steps with the process's
+        # threads on the CPU, a few on a GPU (engine_threads)
         process_threads = hand_threads_to_engine_thread()
         self.engine = Engine(EngineConfig(**s.values))
         self.torch_threads = engine_threads(
