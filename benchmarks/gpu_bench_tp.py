@@ -42,19 +42,28 @@ PROMPT, CANVAS, BLOCK, STEPS = 64, 256, 32, 64
 
 
 def write_random_checkpoint(preset: str, out: Path, device: str) -> Path:
-    """Random bf16 weights of `preset` under the published tensor names."""
+    """Random bf16 weights of `preset` under the published tensor names. The model is laid out
+    on the meta device and each tensor drawn on `device` and moved to host memory in turn, so
+    a model larger than one GPU (LLaDA2.0-flash's 206 GB) needs host memory, not a GPU, to
+    hold it."""
     config = dict(PRESETS[preset])
     family = detect_family(config)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = build_model(family, config)
-    model = model.to_empty(device=device).to(torch.bfloat16)
+    params = {name for name, _ in model.named_parameters()}
+    state = {}
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith(("norm.weight", "ln_f.weight")) else p.normal_(0, 0.02)
-        for b in model.buffers():
-            b.zero_()
-    state = {k: v.cpu() for k, v in model.state_dict().items()}
+        for name, meta in model.state_dict().items():
+            dtype = torch.bfloat16 if meta.is_floating_point() else meta.dtype
+            t = torch.empty(meta.shape, dtype=dtype, device=device)
+            if name not in params:  # buffers (routers' biases, scalars): zeros
+                t.zero_()
+            elif name.endswith(("norm.weight", "ln_f.weight")):
+                t.fill_(1.0)
+            else:
+                t.normal_(0, 0.02)
+            state[name] = t.cpu()
     del model
     sync_empty(device)
     config["torch_dtype"] = "bfloat16"
