@@ -22,6 +22,7 @@ untimed run of the same shapes (CUDA graphs captured).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -60,23 +61,20 @@ def expected_distinct_experts(n_experts: int, per_token: int, tokens: int) -> fl
     return n_experts * (1 - (1 - per_token / n_experts) ** tokens)
 
 
-def weight_bytes(model: torch.nn.Module, distinct_experts: float | None) -> float:
-    """Bytes one step reads: every parameter except the embedding table (a gather) and, for
-    MoE, the unselected experts."""
+def weight_bytes(model: torch.nn.Module, expert_share: float | None) -> float:
+    """Bytes one step reads: every weight except the embedding table (a gather) and, for MoE,
+    only `expert_share` of the stacked experts [E, in, out] (the share of all experts the
+    step's tokens select: whole experts of an unsharded or expert-parallel model, a slice of
+    each under tensor parallel). FP8 weights and scales are buffers and count too."""
     total = 0.0
-    for name, p in model.named_parameters():
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
         if "embed" in name or "word_embeddings" in name:
             continue
-        nbytes = p.numel() * p.element_size()
-        if distinct_experts is not None and p.dim() == 3:  # stacked experts [E, in, out]
-            nbytes *= distinct_experts / p.shape[0]
-        total += nbytes
-    for _name, b in model.named_buffers():  # FP8 weights and scales are buffers
-        if b.dim() < 2 or not b.is_floating_point():
+        if t.dim() < 2 or not t.is_floating_point():
             continue
-        nbytes = b.numel() * b.element_size()
-        if b.dim() == 3 and distinct_experts is not None:
-            nbytes *= distinct_experts / b.shape[0]
+        nbytes = t.numel() * t.element_size()
+        if expert_share is not None and t.dim() == 3:
+            nbytes *= expert_share
         total += nbytes
     return total
 
@@ -273,7 +271,8 @@ def main() -> None:
                 distinct = expected_distinct_experts(
                     int(cfg_e["num_experts"]), int(cfg_e["num_experts_per_tok"]), b * block
                 )
-            floor_ms = weight_bytes(lm.model, distinct) / bw * 1e3
+            share = None if distinct is None else distinct / int(lm.config["num_experts"])
+            floor_ms = weight_bytes(lm.model, share) / bw * 1e3
             row = {
                 "model": preset, "quantization": quant, "family": family, "batch": b, "block": block, "steps": steps,
                 **res, "floor_ms": floor_ms, "x_floor": res["ms_per_step"] / floor_ms,

@@ -135,27 +135,17 @@ def distinct_experts(engine: Engine, prompt: list[int]) -> float | None:
 
 
 def floor_ms(engine: Engine, experts: float | None, bandwidth: float) -> float:
-    """Batch-1 weight-read floor of a forward on rank 0: every weight of its shard but the
-    embedding, routed experts counted by the share a forward selects (`experts` of the
-    model's experts: a tensor-parallel rank holds a slice of every expert, an expert-parallel
-    one whole experts of its own), at `bandwidth`. All-reduce time is not included."""
-    import itertools
+    """Batch-1 weight-read floor of a forward on rank 0: its shard's weights with the routed
+    experts counted by the share a forward selects (`experts` of the model's experts: a
+    tensor-parallel rank holds a slice of every expert, an expert-parallel one whole experts
+    of its own), at `bandwidth`. All-reduce time is not included."""
+    from gpu_bench_block import weight_bytes
 
     lm = engine.runner.model
     model = getattr(lm, "local", lm)  # rank 0's shard under tensor parallel
     total_experts = int(getattr(getattr(model, "arch", None), "num_experts", 0) or 0)
     share = experts / total_experts if experts is not None and total_experts else None
-    total = 0.0
-    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
-        if "embed" in name or "word_embeddings" in name:
-            continue
-        if t.dim() < 2 or not t.is_floating_point():
-            continue
-        nbytes = t.numel() * t.element_size()
-        if share is not None and t.dim() == 3:  # stacked experts [E, in, out]
-            nbytes *= share
-        total += nbytes
-    return total / bandwidth * 1e3
+    return weight_bytes(model, share) / bandwidth * 1e3
 
 
 def parse_config(name: str) -> tuple[int, bool]:
