@@ -78,11 +78,12 @@ def sync_empty(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def schedule(mode: str, max_tokens: int) -> dict:
+def schedule(mode: str, max_tokens: int, block: int = BLOCK) -> dict:
     """The fixed schedule: `max_tokens` in blocks of 32, 4 tokens a step; `block` for the
-    block-diffusion families (LLaDA2: 8 steps a block, published low_confidence_static)."""
+    block-diffusion families, whose blocks are `block` tokens (LLaDA2's 32: 8 steps a block,
+    published low_confidence_static; SDAR's 4: a step a token)."""
     if mode == "block":
-        return {"max_tokens": max_tokens, "steps": BLOCK * STEPS // CANVAS,
+        return {"max_tokens": max_tokens, "steps": min(BLOCK * STEPS // CANVAS, block),
                 "algorithm": "low_confidence_static", "temperature": 0.0}  # fmt: skip
     params = {"max_tokens": max_tokens, "block_length": BLOCK, "temperature": 0.0}
     params["steps"] = max_tokens * STEPS // CANVAS
@@ -93,10 +94,12 @@ def schedule(mode: str, max_tokens: int) -> dict:
 
 def run(engine: Engine, batch: int, mode: str, prompts: list[list[int]]) -> tuple[float, float]:
     """Generated tok/s of the schedule at `batch`, and the mean ms of one forward (a step)."""
-    params = schedule(mode, CANVAS)
+    params = schedule(mode, CANVAS, engine.model_block or BLOCK)
     eager = mode == "exact" and batch * (PROMPT + CANVAS) > engine.config.cuda_graph_max_tokens
     # warm-up: allocations and graph captures (eager forwards capture nothing: one block)
-    engine.generate(prompts[:batch], schedule(mode, BLOCK) if eager else params)
+    engine.generate(
+        prompts[:batch], schedule(mode, BLOCK, engine.model_block or BLOCK) if eager else params
+    )
     sync_empty(engine.config.device)
     f0 = engine.runner.forward_passes
     t = time.perf_counter()
@@ -109,23 +112,32 @@ def run(engine: Engine, batch: int, mode: str, prompts: list[list[int]]) -> tupl
 
 def distinct_experts(engine: Engine, prompt: list[int]) -> float | None:
     """Mean distinct routed experts one MoE layer selects in an in-block forward of one
-    request (LLaDA2's router on these weights), or None for a model without routed experts.
-    The weight-read floor of a batch-1 step counts these, not all experts."""
-    from dlm_engine.models import llada2
+    request (the model's router on these weights), or None for a model without routed
+    experts. The weight-read floor of a batch-1 step counts these, not all experts."""
+    import sys
+
+    from dlm_engine.models import moe
 
     seen: list[tuple[int, int]] = []  # (tokens routed, distinct experts) per MoE layer call
-    original = llada2.run_experts
+    original = moe.run_experts
 
     def counting(flat, chosen, *args, **kw):
         seen.append((int(chosen.shape[0]), int(chosen.unique().numel())))
         return original(flat, chosen, *args, **kw)
 
-    llada2.run_experts = counting
+    # every family module that imported the grouped experts by name (LLaDA2, SDAR-MoE)
+    users = [
+        m for name, m in list(sys.modules.items())
+        if name.startswith("dlm_engine.models.") and getattr(m, "run_experts", None) is original
+    ]  # fmt: skip
+    for m in users:
+        m.run_experts = counting
     graphs, engine.runner.graphs = engine.runner.graphs, None  # eager: a replay runs no Python
     try:
-        engine.generate([prompt], schedule("block", BLOCK))
+        engine.generate([prompt], schedule("block", BLOCK, engine.model_block))
     finally:
-        llada2.run_experts = original
+        for m in users:
+            m.run_experts = original
         engine.runner.graphs = graphs
     if not seen:
         return None
@@ -170,7 +182,7 @@ def measure(ckpt: Path, name: str, args, prompts, runs) -> dict:
     x = torch.tensor([prompts[0] + [engine.mask_id] * 64], device=args.device)
     with torch.no_grad():
         res["logits"] = full_logits(engine.runner.model)(x).float().cpu()
-    greedy = schedule("block" if engine.model_block else "exact", 64)
+    greedy = schedule("block" if engine.model_block else "exact", 64, engine.model_block or BLOCK)
     res["tokens"] = [o.token_ids for o in engine.generate(prompts[:4], greedy)]
     for mode, b in runs:
         key = f"{mode}_b{b}_tok_s"
@@ -221,7 +233,6 @@ def main() -> None:
         print(
             f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()} torch={torch.__version__}"
         )
-    args.bandwidth = 0.0
     if args.device.startswith("cuda"):
         from gpu_bench_block import copy_bandwidth
 
