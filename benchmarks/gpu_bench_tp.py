@@ -27,47 +27,86 @@ import json
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from dlm_engine import Engine, EngineConfig
 from dlm_engine.models import build_model, detect_family
 from dlm_engine.models.common import full_logits
 from dlm_engine.presets import PRESETS
 from dlm_engine.tokenizer_build import build_char_tokenizer
-from dlm_lab.testing import write_checkpoint
 
 PROMPT, CANVAS, BLOCK, STEPS = 64, 256, 32, 64
 
 
-def write_random_checkpoint(preset: str, out: Path, device: str) -> Path:
-    """Random bf16 weights of `preset` under the published tensor names. The model is laid out
-    on the meta device and each tensor drawn on `device` and moved to host memory in turn, so
-    a model larger than one GPU (LLaDA2.0-flash's 206 GB) needs host memory, not a GPU, to
-    hold it."""
+def write_random_checkpoint(
+    preset: str, out: Path, device: str, shard_bytes: int = 8 << 30
+) -> Path:
+    """Random bf16 weights of `preset` under the published tensor names, in safetensors shards
+    of about `shard_bytes`. The model is laid out on the meta device; each shard's tensors are
+    drawn on `device`, moved to host memory, written and freed before the next shard, so a
+    model larger than one GPU (LLaDA2.0-flash's 206 GB) needs room for its files and one
+    shard, not for the model twice."""
     config = dict(PRESETS[preset])
     family = detect_family(config)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = build_model(family, config)
     params = {name for name, _ in model.named_parameters()}
-    state = {}
-    with torch.no_grad():
-        for name, meta in model.state_dict().items():
-            dtype = torch.bfloat16 if meta.is_floating_point() else meta.dtype
-            t = torch.empty(meta.shape, dtype=dtype, device=device)
-            if name not in params:  # buffers (routers' biases, scalars): zeros
-                t.zero_()
-            elif name.endswith(("norm.weight", "ln_f.weight")):
-                t.fill_(1.0)
-            else:
-                t.normal_(0, 0.02)
-            state[name] = t.cpu()
+    metas = model.state_dict()
     del model
+
+    def nbytes(meta: torch.Tensor) -> int:
+        return meta.numel() * (2 if meta.is_floating_point() else meta.element_size())
+
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(metas):
+        if shards[-1] and size + nbytes(metas[name]) > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes(metas[name])
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    # files are written on threads while the next shard is drawn (safetensors writes release
+    # the GIL); at most `writers` shards wait in host memory
+    writers = 4
+    pool = ThreadPoolExecutor(writers)
+    pending: list = []
+    with torch.no_grad():
+        for i, names in enumerate(shards):
+            state = {}
+            for name in names:
+                meta = metas[name]
+                dtype = torch.bfloat16 if meta.is_floating_point() else meta.dtype
+                t = torch.empty(meta.shape, dtype=dtype, device=device)
+                if name not in params:  # buffers (routers' biases, scalars): zeros
+                    t.zero_()
+                elif name.endswith(("norm.weight", "ln_f.weight")):
+                    t.fill_(1.0)
+                else:
+                    t.normal_(0, 0.02)
+                state[name] = t.cpu()
+                total += t.numel() * t.element_size()
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            pending.append(pool.submit(save_file, state, str(out / fname), {"format": "pt"}))
+            weight_map.update(dict.fromkeys(names, fname))
+            del state
+            while len(pending) >= writers:
+                pending.pop(0).result()
+    for job in pending:
+        job.result()
+    pool.shutdown()
     sync_empty(device)
     config["torch_dtype"] = "bfloat16"
-    write_checkpoint(out, config, state, shards=4)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     build_char_tokenizer(out, family.name)
     return out
 
@@ -242,6 +281,7 @@ def main() -> None:
         args.bandwidth = 1e10
     shm = Path("/dev/shm")
     tmp = Path(tempfile.mkdtemp(prefix="tp-ckpt-", dir=shm if shm.is_dir() else None))
+    print(f"checkpoint in {tmp}: {shutil.disk_usage(tmp).free / 1e9:.0f} GB free", flush=True)
     try:
         t0 = time.perf_counter()
         ckpt = write_random_checkpoint(args.model, tmp, args.device)
