@@ -89,6 +89,7 @@ class Engine:
                 cuda_graph_max_tokens=config.cuda_graph_max_tokens,
                 fused_kernels=config.fused_kernels,
                 lookahead=config.lookahead,
+                paged_attention=config.paged_attention,
             )
         )
         self.scheduler = Scheduler(

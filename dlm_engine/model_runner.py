@@ -17,6 +17,7 @@ import logging
 import torch
 from torch import nn
 
+from . import paged_flex
 from .block_pages import BlockPages
 from .cuda_graphs import GraphCache, round_up, worth_a_graph
 from .decoding import RowDecode, RowIndex, propose, select_transfers
@@ -70,6 +71,7 @@ class ModelRunner:
         cuda_graph_max_tokens: int = 0,
         fused_kernels: bool = True,
         lookahead: bool = True,
+        paged_attention: str = "gather",
     ) -> None:
         self.model = model
         self.family = family_of(family)
@@ -113,8 +115,12 @@ class ModelRunner:
         # attention, and positions sent through the output head
         self.work = {"tokens": 0, "attn_pairs": 0, "logit_positions": 0}
         self.constraint_runtime: ConstraintRuntime | None = None  # set on first constrained row
-        # block-diffusion rows' page tables over a page pool (`use_pages`)
+        # block-diffusion rows' page tables over a page pool (`use_pages`), and how their
+        # attention reads the pages (dlm_engine/paged_flex.py)
         self.block_pages: BlockPages | None = None
+        if paged_attention not in paged_flex.MODES:
+            raise ValueError(f"paged_attention must be one of {paged_flex.MODES}")
+        self.paged_attention = paged_attention
 
     @property
     def graph_captures(self) -> int:
@@ -215,6 +221,7 @@ class ModelRunner:
                 bucket=self.graphs is not None,
                 query_multiple=self.length_multiple,
                 pages=pages,
+                paged_attention=self.paged_attention,
             )
         self._last_plan = (made_for, plan) if made_for is not None else None
         self._count_forward(plan, width)
@@ -338,6 +345,9 @@ class ModelRunner:
         pool = PagePool(n_layers, n, pt, kv, head_dim, dtype, self.device, idle_limit=idle)
         cache = PrefixCache(pool) if prefix_cache_tokens > 0 else None
         self.block_pages = BlockPages(pool, cache, self.shift)
+        if self.paged_attention == "flex" and not paged_flex.supported(pt, self.device):
+            log.warning("paged_attention flex: no kernel tile fits %d-token pages, gathering", pt)
+            self.paged_attention = "gather"
         log.info(
             "block-diffusion KV pages: %d of %d tokens (%.2f GiB), prefix cache %s",
             n,

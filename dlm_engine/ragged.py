@@ -21,8 +21,10 @@ no weights, works per row:
   padding rows) they read the pool as a view, unless the empty slots would outnumber them
   (then one gather a layer);
 * block-diffusion rows keep their keys in pages (dlm_engine/paged_kv.py): their
-  fresh keys are written through their page tables, then their pages are gathered into a
-  per-row key layout and each query attends block-causally (keys before its block's end);
+  fresh keys are written through their page tables, then each query attends block-causally
+  (keys before its block's end), either over the row's pages gathered into a per-row key
+  layout (`paged_attention` `gather`) or read in place through the page table by
+  FlexAttention (`flex`, dlm_engine/paged_flex.py: the plan carries its index tensors);
 * the per-row outputs are gathered back into packed order.
 
 Index tensors (page tables included) are made on the host and copied before the forward is
@@ -43,6 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import paged_flex
 from .kv_cache import KVPool
 from .models.common import additive_mask, attention
 from .paged_kv import PagePool
@@ -133,6 +136,7 @@ class PackedAttention:
         # additive key masks, made once per forward: SDPA turns a boolean mask into one on
         # every call (three small kernels a layer)
         self.masks: dict[str, torch.Tensor] = {}
+        self.flex_mask = None  # the block group's BlockMask (flex path), made once per forward
 
     def _mask(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
         if name not in self.masks and name in self.x:
@@ -183,6 +187,8 @@ class PackedAttention:
         where = (self.x["block_write_page"], self.x["block_write_off"])
         pages.k[layer][where] = kp
         pages.v[layer][where] = vp
+        if paged_flex.PAGES in self.x:  # read in place through the page table
+            return self._block_flex(layer, qp, rows, tq)
         table = self.x["block_pages"]  # [rows, P] page ids (the trash page past a row's end)
         kv, dim = kp.shape[2], kp.shape[3]
         span = table.shape[1] * pages.page_tokens
@@ -202,6 +208,17 @@ class PackedAttention:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.masks["block"])
         out = out.view(rows, kv, rep, tq, dim).permute(0, 3, 1, 2, 4)
         return out.reshape(rows * tq, heads, dim)
+
+    def _block_flex(self, layer: int, qp, rows: int, tq: int) -> torch.Tensor:
+        """The block group over the pool in place (dlm_engine/paged_flex.py): no gather."""
+        k_pages, v_pages = self.pages.k[layer], self.pages.v[layer]
+        heads, dim = qp.shape[2], qp.shape[3]
+        if self.flex_mask is None:  # the same for every layer
+            pt = k_pages.shape[1]
+            rep = heads // k_pages.shape[2]
+            self.flex_mask = paged_flex.block_mask(self.x, pt, k_pages.shape[0] * pt, rep)
+        out = paged_flex.attend(qp.transpose(1, 2), k_pages, v_pages, self.flex_mask)
+        return out.transpose(1, 2).reshape(rows * tq, heads, dim)
 
 
 @dataclass
@@ -227,11 +244,13 @@ def plan_packed(
     bucket: bool,
     query_multiple: int,
     pages: PagePool | None = None,
+    paged_attention: str = "gather",
 ) -> PackedPlan:
     """Build the inputs of one packed forward over `queries` (see `packed_forward_fn`).
 
     `bucket` pads rows and the packed length to CUDA-graph buckets; padded rows read a token
-    that exists, attend to one key and (with a pool) write only to the pool's spare row."""
+    that exists, attend to one key and (with a pool) write only to the pool's spare row.
+    `paged_attention` picks how block rows read their pages (`paged_flex.MODES`)."""
     from .cuda_graphs import bucket_rows, round_up
 
     n_rows = len(queries)
@@ -259,6 +278,7 @@ def plan_packed(
             base, attn_pairs = _plan_block(
                 queries, members, inputs, layout, flat_of_row, base, attn_pairs,
                 qlens=qlens, offsets=offsets, pages=pages, bucket=bucket,
+                flex=paged_attention == "flex",
             )  # fmt: skip
             continue
         sel = torch.tensor(members)
@@ -385,11 +405,13 @@ def _plan_block(
     offsets: torch.Tensor,
     pages: PagePool,
     bucket: bool,
+    flex: bool = False,
 ) -> tuple[int, int]:
     """Index tensors of the block group: its rows' page tables [rows, P], where each fresh
     key goes (page id, offset) and each query's key limit. Padded rows and positions write
     to the trash page and read one key. With `bucket` every shape is a bucket (rows, query
-    width, pages), so the forward stays capturable as a CUDA graph."""
+    width, pages), so the forward stays capturable as a CUDA graph. With `flex` the page
+    table goes in FlexAttention's form (`paged_flex.host_inputs`) instead."""
     from .cuda_graphs import bucket_rows, round_up
 
     n_rows = len(members)
@@ -423,13 +445,17 @@ def _plan_block(
     limit[:n_rows] = np.where(valid, np.minimum((pos // blk + 1) * blk, end), 1)
     flat_of_row[members] = base + torch.arange(n_rows) * tq
     attn_pairs += int((n * end[:, 0]).sum())
-    for name, a in (
-        ("block_q_index", q_index),
-        ("block_write_page", write_page),
-        ("block_write_off", write_off),
-        ("block_pages", table),
-        ("block_limit", limit),
-    ):
+    arrays = {
+        "block_q_index": q_index,
+        "block_write_page": write_page,
+        "block_write_off": write_off,
+        "block_limit": limit,
+    }
+    if flex:
+        arrays.update(paged_flex.host_inputs(table, limit, pt, pages.trash))
+    else:
+        arrays["block_pages"] = table
+    for name, a in arrays.items():
         inputs[name] = torch.from_numpy(a)
     layout.append(GroupLayout("block", rows, tq, False, keys))
     return base + rows * tq, attn_pairs
