@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import multiprocessing as mp
 import shutil
 import tempfile
 import time
@@ -43,14 +44,14 @@ PROMPT, CANVAS, BLOCK, STEPS = 64, 256, 32, 64
 
 
 def write_random_checkpoint(
-    preset: str, out: Path, device: str, shard_bytes: int = 8 << 30
+    config: dict, out: Path, device: str, shard_bytes: int = 8 << 30
 ) -> Path:
-    """Random bf16 weights of `preset` under the published tensor names, in safetensors shards
+    """Random bf16 weights of the architecture `config` under the published tensor names, in safetensors shards
     of about `shard_bytes`. The model is laid out on the meta device; each shard's tensors are
     drawn on `device`, moved to host memory, written and freed before the next shard, so a
     model larger than one GPU (LLaDA2.0-flash's 206 GB) needs room for its files and one
     shard, not for the model twice."""
-    config = dict(PRESETS[preset])
+    config = dict(config)
     family = detect_family(config)
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -284,7 +285,16 @@ def main() -> None:
     print(f"checkpoint in {tmp}: {shutil.disk_usage(tmp).free / 1e9:.0f} GB free", flush=True)
     try:
         t0 = time.perf_counter()
-        ckpt = write_random_checkpoint(args.model, tmp, args.device)
+        # written by a child process: the host memory its shards passed through goes back to
+        # the system when it exits, before the ranks load (a 206 GB model needs all of it)
+        writer = mp.get_context("spawn").Process(
+            target=write_random_checkpoint, args=(dict(PRESETS[args.model]), tmp, args.device)
+        )
+        writer.start()
+        writer.join()
+        if writer.exitcode:
+            raise SystemExit(f"writing the checkpoint failed (exit code {writer.exitcode})")
+        ckpt = tmp
         print(f"checkpoint written in {time.perf_counter() - t0:.1f} s", flush=True)
         gen = torch.Generator().manual_seed(0)
         runs = [(m, int(b)) for m, b in (r.split(":") for r in args.runs.split(","))]
