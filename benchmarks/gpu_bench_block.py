@@ -4,6 +4,9 @@ restatement of each upstream loop and against the weight-read floor of a step.
     python benchmarks/gpu_bench_block.py --models sdar-4b,sdar-8b,llada2-mini \
         --batches 1,8,32,128 --out results/block
 
+`--paged-attention gather,flex` runs every model and batch once per way of reading the KV
+page pool (the `paged_attention` setting), in one process over the same weights.
+
 Random bf16 weights of the published architectures (`dlm_engine/presets.py`), built on the
 GPU. Random weights make fixed schedules honest: every row decodes `--canvas` tokens with
 `low_confidence_static` at `steps = block_length / tokens-per-forward`, so tokens per forward
@@ -22,6 +25,7 @@ untimed run of the same shapes (CUDA graphs captured).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import time
@@ -212,6 +216,11 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--shared-prefix", type=int, default=0, help="run the prefix-cache section")
     ap.add_argument("--requests", type=int, default=32, help="prefix-cache section: requests")
+    ap.add_argument(
+        "--paged-attention",
+        default="gather",
+        help="comma list of gather,flex: each runs every batch (the `paged_attention` setting)",
+    )
     args = ap.parse_args()
     dev = torch.device(args.device)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
@@ -230,6 +239,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     rows: list[dict] = []
     runs = [(m, q) for m in args.models.split(",") for q in args.quantization.split(",")]
+    modes = args.paged_attention.split(",")
     for preset, quant in runs:
         lm = random_checkpoint(preset, args.dtype, args.device, None if quant == "none" else quant)
         family = lm.family.name
@@ -240,7 +250,7 @@ def main() -> None:
             max_rows=max(batches), max_canvas=args.canvas + block,
             max_prompt=args.prompt + 8, max_queue=max(batches) * 2,
         )  # fmt: skip
-        engine = Engine(cfg, lm)
+        engine = Engine(dataclasses.replace(cfg, paged_attention=modes[0]), lm)
         params = {
             "max_tokens": args.canvas,
             "block_length": block,
@@ -259,8 +269,12 @@ def main() -> None:
               f"weights {weight_bytes(lm.model, None) / 1e9:.2f} GB")  # fmt: skip
         print(f"reference (no cache, batch 1, gen {args.ref_canvas}): {ref['tok_s']:.1f} tok/s, "
               f"{ref['seconds'] / ref['forwards'] * 1e3:.2f} ms/forward")  # fmt: skip
-        print(" batch    tok/s  ms/step  floor ms  x floor  x ref  steps")
-        for b in batches:
+        print(" batch    tok/s  ms/step  floor ms  x floor  x ref  steps  paged_attention")
+        for mode, b in itertools.product(modes, batches):
+            if engine.config.paged_attention != mode:  # one pool at a time on the device
+                del engine
+                torch.cuda.empty_cache() if dev.type == "cuda" else None
+                engine = Engine(dataclasses.replace(cfg, paged_attention=mode), lm)
             prompts = [
                 torch.randint(100, vocab, (args.prompt,), generator=gen).tolist() for _ in range(b)
             ]
@@ -275,13 +289,14 @@ def main() -> None:
             floor_ms = weight_bytes(lm.model, share) / bw * 1e3
             row = {
                 "model": preset, "quantization": quant, "family": family, "batch": b, "block": block, "steps": steps,
+                "paged_attention": mode,
                 **res, "floor_ms": floor_ms, "x_floor": res["ms_per_step"] / floor_ms,
                 "ref_tok_s": ref["tok_s"], "x_ref": res["tok_s"] / ref["tok_s"],
                 "distinct_experts": distinct,
             }  # fmt: skip
             rows.append(row)
             print(f"{b:6d} {res['tok_s']:8.0f} {res['ms_per_step']:8.2f} {floor_ms:9.2f} "
-                  f"{row['x_floor']:8.2f} {row['x_ref']:6.1f} {res['steps']:6d}"
+                  f"{row['x_floor']:8.2f} {row['x_ref']:6.1f} {res['steps']:6d}  {mode}"
                   + (f"  experts/layer {distinct:.0f}" if distinct else "")
                   + _timeline_text(res.get("timeline")))  # fmt: skip
         del engine, lm

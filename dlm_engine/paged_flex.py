@@ -38,6 +38,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 MODES = ("gather", "flex")
+RECOMPILE_LIMIT = 512  # compiled shapes of the flex call: (rows, query width) buckets
 
 # input names in a packed plan (ragged.py): their presence selects this path
 BLOCKS = "block_flex_blocks"  # [rows, 1, 1] int32: pages each row reads
@@ -80,6 +81,8 @@ def block_mask(x: dict[str, torch.Tensor], page_tokens: int, pool_tokens: int, r
         return (table[b, 0, 0, index] == page) & (index * pt + kv_idx % pt < limit[b, q_idx])
 
     tq = limit.shape[1]
+    # pages per row grow with the rows' lengths: one compiled kernel serves them all
+    torch._dynamo.maybe_mark_dynamic(table, 3)
     return BlockMask.from_kv_blocks(
         x[BLOCKS],
         table,
@@ -104,7 +107,14 @@ def supported(page_tokens: int, device: torch.device) -> bool:
 
 @functools.cache
 def _compiled():
-    return torch.compile(flex_attention)
+    """FlexAttention compiled with static shapes except the page-table width (marked in
+    `block_mask`): the decoding kernel, which serves a row's few queries, needs a static batch.
+    Every (rows, query width) bucket compiles once, so the per-function recompile limit is
+    raised above the bucket count (once it is hit, dynamo would run the unfused path)."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "accumulated_recompile_limit"):
+        setattr(cfg, name, max(int(getattr(cfg, name)), RECOMPILE_LIMIT))
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def attend(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, mask) -> torch.Tensor:
