@@ -19,6 +19,7 @@ from dlm_engine import paged_flex
 from dlm_engine.config import EngineConfig
 from dlm_engine.engine import Engine
 from dlm_engine.paged_kv import PagePool
+from dlm_engine.parallel import ParallelLM
 from dlm_engine.ragged import PackedAttention, RowQuery, packed_bucket, plan_packed
 from dlm_lab import testing
 
@@ -166,3 +167,24 @@ def test_flex_engine_gives_the_gather_tokens(family: str, tmp_path) -> None:
     got = bucketed.generate([p for p, _ in pairs], [c for _, c in pairs])
     assert [o.token_ids for o in got] == expected
     assert any(paged_flex.LOGICAL in shapes for shapes in graphs.shapes)
+
+
+def test_tensor_parallel_ranks_read_the_pages_in_place(tmp_path, one_thread_per_rank) -> None:
+    """The flex index tensors travel with the plan's inputs: a worker rank, which never sees
+    the setting, runs the same path (the gather path's page table is not even sent)."""
+    path = str(testing.make_tiny_checkpoint(tmp_path / "sdar", "sdar", seed=1))
+    one = Engine(EngineConfig(model=path, kv_cache_tokens=2048))
+    two = Engine(
+        EngineConfig(
+            model=path, kv_cache_tokens=2048, paged_attention="flex", tensor_parallel_size=2
+        )
+    )
+    model = two.runner.model
+    try:
+        assert isinstance(model, ParallelLM) and len(model.workers.pids) == 1
+        prompts = [one.encode_prompt(text=t) for t in PROMPTS[:3]]
+        case = {"max_tokens": 12, "block_length": 4, "steps": 4}
+        got = [o.token_ids for o in two.generate(prompts, case)]
+        assert got == [o.token_ids for o in one.generate(prompts, case)]
+    finally:
+        model.close()
