@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import itertools
 import json
 import time
@@ -273,6 +274,7 @@ def main() -> None:
         for mode, b in itertools.product(modes, batches):
             if engine.config.paged_attention != mode:  # one pool at a time on the device
                 del engine
+                gc.collect()
                 torch.cuda.empty_cache() if dev.type == "cuda" else None
                 engine = Engine(dataclasses.replace(cfg, paged_attention=mode), lm)
             prompts = [

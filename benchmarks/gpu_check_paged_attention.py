@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import json
 import sys
 import time
@@ -197,6 +198,7 @@ def step_section(args, dev: torch.device) -> list[dict]:
             print(json.dumps(row))
             out.append(row)
         del engine
+        gc.collect()  # the pool and graphs go before the next engine sizes its pool
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return out
