@@ -45,8 +45,11 @@ class LocalExperts(nn.Module):
                 "expert_parallel"
             )
         n = total // world
-        self.gate_up_proj = nn.Parameter(torch.empty(n, *experts.gate_up_proj.shape[1:]))
-        self.down_proj = nn.Parameter(torch.empty(n, *experts.down_proj.shape[1:]))
+        like = experts.gate_up_proj  # made where the model was built (meta while loading)
+        self.gate_up_proj = nn.Parameter(torch.empty(n, *like.shape[1:], device=like.device))
+        self.down_proj = nn.Parameter(
+            torch.empty(n, *experts.down_proj.shape[1:], device=like.device)
+        )
         self.first = rank * n
         self.group = group
 

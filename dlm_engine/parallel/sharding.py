@@ -159,23 +159,37 @@ def shard_model(
             continue
         kind = kind_of(f"{name}.weight", rules)
         bias = module.bias is not None
-        if kind in (COLUMN, QKV):
-            out = _split(module.out_features, world, f"{name} outputs")
-            new: nn.Linear = nn.Linear(module.in_features, out, bias=bias)
-        elif kind == ROW:
-            inp = _split(module.in_features, world, f"{name} inputs")
-            new = RowParallelLinear(inp, module.out_features, bias, group)
-        elif kind == PARTIAL:
-            if bias:  # every rank would add it before the sum
-                raise ValueError(f"{name}: a partial row layer with a bias is not supported")
-            inp = _split(module.in_features, world, f"{name} inputs")
-            new = nn.Linear(inp, module.out_features, bias=False)
-        elif kind == VOCAB:
-            new = VocabParallelHead(module.in_features, module.out_features, world, bias, group)
-        else:
+        # the shard's layers live where the model was built (the meta device while loading):
+        # made anywhere else they would be drawn at random on the host, a rank of a 100B model
+        # holding tens of GB of float32 it then discards
+        with torch.device(module.weight.device):
+            new = _sharded_layer(module, kind, name, world, bias, group)
+        if new is None:
             continue
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+
+
+def _sharded_layer(
+    module: nn.Linear, kind: str, name: str, world: int, bias: bool, group
+) -> nn.Linear | None:
+    """`module`'s replacement on one rank (None: it stays whole)."""
+    if kind in (COLUMN, QKV):
+        out = _split(module.out_features, world, f"{name} outputs")
+        new: nn.Linear = nn.Linear(module.in_features, out, bias=bias)
+    elif kind == ROW:
+        inp = _split(module.in_features, world, f"{name} inputs")
+        new = RowParallelLinear(inp, module.out_features, bias, group)
+    elif kind == PARTIAL:
+        if bias:  # every rank would add it before the sum
+            raise ValueError(f"{name}: a partial row layer with a bias is not supported")
+        inp = _split(module.in_features, world, f"{name} inputs")
+        new = nn.Linear(inp, module.out_features, bias=False)
+    elif kind == VOCAB:
+        new = VocabParallelHead(module.in_features, module.out_features, world, bias, group)
+    else:
+        return None
+    return new
 
 
 def _slice(sl, kind: str, rank: int, world: int, qkv: tuple[int, int] | None) -> torch.Tensor:
