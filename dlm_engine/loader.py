@@ -6,7 +6,6 @@ with or without an index, tokenizer files) and never executes checkpoint code.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 from dataclasses import dataclass, field
@@ -204,34 +203,6 @@ def random_checkpoint(
     )
 
 
-def _glibc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: its allocator's knobs do not apply
-        return None
-
-
-M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
-
-
-def host_memory_returns_at_once() -> None:
-    """Blocks of 1 MiB and more get their own mapping, returned to the system when freed.
-    Reading a checkpoint on its way to a GPU allocates and frees a tensor per slice; glibc's
-    adaptive threshold serves tensors of up to 32 MiB (expert slices) from its heap and keeps
-    them when freed, so each rank of a large model held about its shard's size in host memory
-    (four ranks of a 206 GB model: about 80 GB each, and a 512 GiB host ran out)."""
-    libc = _glibc()
-    if libc is not None:
-        libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
-
-
-def release_host_memory() -> None:
-    """Give back what the allocator still holds of the freed reading buffers."""
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
 def load_checkpoint(
     path: str | Path,
     dtype: str = "auto",
@@ -260,8 +231,6 @@ def load_checkpoint(
     dev = torch.device(device)
     with torch.device("meta"):
         model = build_model(family, config)
-    if dev.type != "cpu":
-        host_memory_returns_at_once()
     if weights is not None:
         state = weights(model, path, config, family, dev, torch_dtype)
     else:
@@ -292,9 +261,6 @@ def load_checkpoint(
     model.fuse_projections()
     if quantization:
         quantize_linears(model, quantization, dev)
-    del state
-    if dev.type != "cpu":
-        release_host_memory()
     tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     mask_id, eos_id, stop_ids = _special_ids(family, config, gen, tok)
     if family is LLADA and "mask_token_id" not in config and mask_id != 126336:
