@@ -2,6 +2,7 @@
 pages, CUDA graphs on bucketed shapes) against the plain no-cache reference loops.
 
     python benchmarks/gpu_check_block.py            # prints one line a check, exits 1 on a mismatch
+    python benchmarks/gpu_check_block.py --paged-attention gather,flex   # each way of reading pages
 
 The unit tests prove the same equalities on CPU (tests/unit/test_engine_block_diffusion.py);
 this runs them where CUDA graphs are captured and replayed. Checks: the embedded trained
@@ -57,10 +58,27 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--n", type=int, default=24, help="held-out questions")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument(
+        "--paged-attention", default="gather", help="comma-separated modes, each checked in turn"
+    )
     args = ap.parse_args(argv)
     ok = True
+    for mode in args.paged_attention.split(","):
+        print(f"paged_attention {mode}", flush=True)
+        ok &= check_all(args, mode)
+    print("all equal" if ok else "MISMATCH", flush=True)
+    return 0 if ok else 1
+
+
+def check_all(args: argparse.Namespace, mode: str) -> bool:
+    """Every check with the block rows' pages read the `mode` way."""
+    ok = True
     asset = str(ROOT / "dlm_engine" / "assets" / "tiny-sdar")
-    sdar = Engine(EngineConfig(model=asset, device=args.device, dtype="float32", max_rows=128))
+    sdar = Engine(
+        EngineConfig(
+            model=asset, device=args.device, dtype="float32", max_rows=128, paged_attention=mode
+        )
+    )
     exs = tasks.heldout_examples(args.n)
     prompts = [sdar.encode_prompt(messages=tasks.messages_for(e)) for e in exs]
     pairs = [(p, SDAR_RULES[i % len(SDAR_RULES)]) for i, p in enumerate(prompts)]
@@ -76,14 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for seed in (0, 1):
             path = testing.make_tiny_checkpoint(Path(tmp) / f"llada2-{seed}", "llada2", seed=seed)
-            engine = Engine(EngineConfig(model=str(path), device=args.device, max_rows=64))
+            engine = Engine(
+                EngineConfig(model=str(path), device=args.device, max_rows=64, paged_attention=mode)
+            )
             texts = ["hello there", "the quick brown fox", "a", "diffusion " * 9]
             pairs = [
                 (engine.encode_prompt(text=t), c) for c in LLADA2_CASES for t in texts
             ]  # fmt: skip
             ok &= check(f"random LLaDA2 (seed {seed})", engine, pairs)
-    print("all equal" if ok else "MISMATCH", flush=True)
-    return 0 if ok else 1
+    return ok
 
 
 if __name__ == "__main__":
