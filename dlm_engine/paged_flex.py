@@ -32,6 +32,7 @@ path (`supported`).
 from __future__ import annotations
 
 import functools
+import logging
 
 import numpy as np
 import torch
@@ -117,15 +118,40 @@ def _compiled():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def attend(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, mask) -> torch.Tensor:
+class _Compiled:
+    """Whether the compiled call failed in this process: then every later forward gathers
+    (reported with the fused kernels' fallbacks: the ready line and a metric)."""
+
+    failed = False
+
+
+def usable() -> bool:
+    return not _Compiled.failed
+
+
+def attend(
+    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, mask
+) -> torch.Tensor | None:
     """q [rows, heads, Tq, D] over one layer's pool [pages + 1, page_tokens, kv, D]
-    -> [rows, heads, Tq, D]."""
+    -> [rows, heads, Tq, D]; None where the compiled call failed (the caller gathers)."""
     _, pt, kv, dim = k_pages.shape
     k = k_pages.view(1, -1, kv, dim).transpose(1, 2)  # [1, kv, pool tokens, D]: a view
     v = v_pages.view(1, -1, kv, dim).transpose(1, 2)
     gqa = q.shape[1] != kv
-    if q.device.type == "cuda":
-        return _compiled()(
-            q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options={"BLOCK_N": kernel_block(pt)}
-        )
-    return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)  # unfused: for checks
+    try:
+        if q.device.type == "cuda":
+            options = {"BLOCK_N": kernel_block(pt)}
+            return _compiled()(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=options)
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)  # unfused: for checks
+    except Exception as exc:  # compiler missing or unsupported here: stay correct
+        fall_back(exc)
+        return None
+
+
+def fall_back(exc: BaseException) -> None:
+    """Gather from now on, and say so where the fused kernels' fallbacks are reported."""
+    from .models.common import FusedKernels
+
+    logging.getLogger(__name__).warning("paged_attention flex disabled, gathering: %s", exc)
+    _Compiled.failed = True
+    FusedKernels.fallbacks.append("paged_attention_flex")

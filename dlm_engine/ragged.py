@@ -187,9 +187,14 @@ class PackedAttention:
         where = (self.x["block_write_page"], self.x["block_write_off"])
         pages.k[layer][where] = kp
         pages.v[layer][where] = vp
-        if paged_flex.PAGES in self.x:  # read in place through the page table
-            return self._block_flex(layer, qp, rows, tq)
-        table = self.x["block_pages"]  # [rows, P] page ids (the trash page past a row's end)
+        if paged_flex.PAGES in self.x and paged_flex.usable():  # in place, through the table
+            out = self._block_flex(layer, qp, rows, tq)
+            if out is not None:
+                return out
+        if "block_pages" in self.x:
+            table = self.x["block_pages"]  # [rows, P] page ids (trash past a row's end)
+        else:  # a flex plan whose compiled call failed: the same table, gathered
+            table = self.x[paged_flex.PAGES].view(rows, -1).long()
         kv, dim = kp.shape[2], kp.shape[3]
         span = table.shape[1] * pages.page_tokens
         k = pages.k[layer][table].view(rows, span, kv, dim)[:, :keys].transpose(1, 2)
@@ -209,7 +214,7 @@ class PackedAttention:
         out = out.view(rows, kv, rep, tq, dim).permute(0, 3, 1, 2, 4)
         return out.reshape(rows * tq, heads, dim)
 
-    def _block_flex(self, layer: int, qp, rows: int, tq: int) -> torch.Tensor:
+    def _block_flex(self, layer: int, qp, rows: int, tq: int) -> torch.Tensor | None:
         """The block group over the pool in place (dlm_engine/paged_flex.py): no gather."""
         k_pages, v_pages = self.pages.k[layer], self.pages.v[layer]
         heads, dim = qp.shape[2], qp.shape[3]
@@ -218,6 +223,8 @@ class PackedAttention:
             rep = heads // k_pages.shape[2]
             self.flex_mask = paged_flex.block_mask(self.x, pt, k_pages.shape[0] * pt, rep)
         out = paged_flex.attend(qp.transpose(1, 2), k_pages, v_pages, self.flex_mask)
+        if out is None:  # the compiled call failed: the caller gathers
+            return None
         return out.transpose(1, 2).reshape(rows * tq, heads, dim)
 
 

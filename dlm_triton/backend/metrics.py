@@ -94,8 +94,9 @@ class Metrics:
         )
         self.fused_fallbacks = self._metric(
             "dlm_fused_kernel_fallbacks",
-            "Compiled elementwise kernels (norms, rotary, activations) that fell back to eager "
-            "for good (the compiler failed or hit its recompile limit): each makes steps slower",
+            "Compiled kernels (norms, rotary, activations, paged attention flex) that fell back "
+            "to eager or gathering for good (the compiler failed or hit its recompile limit): "
+            "each makes steps slower",
             gauge,
         )
         self.graph_captures = self._metric(

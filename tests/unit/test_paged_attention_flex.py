@@ -102,6 +102,30 @@ def test_flex_equals_gather_and_the_direct_softmax(bucket: bool) -> None:
     assert got.abs().max() < 50, "no trash value leaked into a real row"
 
 
+def test_a_failed_flex_call_gathers_from_then_on_and_says_so(monkeypatch) -> None:
+    """A kernel that cannot run here (a compiler failure on a GPU) costs speed, not answers:
+    the forward gathers the same pages, later forwards do not try again, and the fallback
+    is reported where the fused kernels' are (ready line, metric)."""
+    from dlm_engine.models.common import FusedKernels
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no kernel for this device")
+
+    monkeypatch.setattr(paged_flex, "flex_attention", broken)
+    monkeypatch.setattr(paged_flex._Compiled, "failed", False)
+    monkeypatch.setattr(FusedKernels, "fallbacks", [])
+    n = sum(end - start for start, end, _, _ in ROWS)
+    q, k, v = _packed(packed_bucket(n))
+    want = _forward(_pool(), "gather", True, q, k, v)
+    for _ in range(2):
+        torch.testing.assert_close(_forward(_pool(), "flex", True, q, k, v), want)
+    assert len(calls) == 1
+    assert FusedKernels.fallbacks == ["paged_attention_flex"]
+
+
 def test_one_row_alone_sees_its_pages_only() -> None:
     """A row whose pages sit among other rows' pages of the pool (not in this forward)."""
     rows = [(44, 46, 4, [7, 2, 9])]
