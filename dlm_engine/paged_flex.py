@@ -40,6 +40,12 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 MODES = ("gather", "flex")
 RECOMPILE_LIMIT = 512  # compiled shapes of the flex call: (rows, query width) buckets
+# the widest query a row may feed for its group to read in place: denoising steps feed a block
+# (4-32 tokens; a few blocks under multi_bd), prompts up to thousands. Every query width
+# compiles the call once (seconds), so a prompt's step gathers instead (there the arithmetic,
+# not the copy, dominates) and the compiled shapes stay a handful of width buckets per row
+# bucket, met in the first minutes of traffic.
+MAX_QUERY = 128
 
 # input names in a packed plan (ragged.py): their presence selects this path
 BLOCKS = "block_flex_blocks"  # [rows, 1, 1] int32: pages each row reads

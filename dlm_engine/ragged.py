@@ -458,7 +458,7 @@ def _plan_block(
         "block_write_off": write_off,
         "block_limit": limit,
     }
-    if flex:
+    if flex and tq <= paged_flex.MAX_QUERY:  # a prompt's step gathers (paged_flex.MAX_QUERY)
         arrays.update(paged_flex.host_inputs(table, limit, pt, pages.trash))
     else:
         arrays["block_pages"] = table

@@ -372,8 +372,9 @@ SETTINGS: tuple[Setting, ...] = (
         "block-diffusion models (SDAR, LLaDA2, Fast-dLLM v2): how attention reads the KV page "
         "pool; `gather` copies each row's pages into one contiguous block a layer, then runs "
         "SDPA; `flex` reads the pages in place through the page table with FlexAttention "
-        "(compiled on CUDA; a page no 16-token kernel tile divides gathers; on the CPU the "
-        "unfused reference, slow: for checks only); both attend over the same keys",
+        "(compiled on CUDA, once per batch shape; a step feeding a prompt wider than 128 "
+        "tokens, a page no 16-token kernel tile divides, or a failed compile gathers; on the "
+        "CPU the unfused reference, slow: for checks only); both attend over the same keys",
         choices=("gather", "flex"),
     ),
     Setting(

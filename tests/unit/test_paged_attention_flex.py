@@ -126,6 +126,29 @@ def test_a_failed_flex_call_gathers_from_then_on_and_says_so(monkeypatch) -> Non
     assert FusedKernels.fallbacks == ["paged_attention_flex"]
 
 
+def test_a_prompt_wider_than_the_flex_limit_gathers_its_step() -> None:
+    """Each query width compiles the flex call once, so a step feeding a long prompt gathers
+    (the compiled shapes stay the denoising widths); the same answer either way."""
+    wide = paged_flex.MAX_QUERY + 40
+    rows = [(0, wide, 4, list(range(-(-wide // PT)))), (36, 40, 4, [11, 12, 13])]
+    n = wide + 4
+    q, k, v = _packed(packed_bucket(n), seed=4)
+    pool = _pool(pages=16)
+    plan = plan_packed(
+        _queries(rows), width=4, shift=0, pad_id=0, device=torch.device("cpu"), pool=None,
+        bucket=True, query_multiple=1, pages=pool, paged_attention="flex",
+    )  # fmt: skip
+    assert paged_flex.PAGES not in plan.inputs and "block_pages" in plan.inputs
+    narrow = plan_packed(
+        _queries(rows[1:]), width=4, shift=0, pad_id=0, device=torch.device("cpu"), pool=None,
+        bucket=True, query_multiple=1, pages=pool, paged_attention="flex",
+    )  # fmt: skip
+    assert paged_flex.PAGES in narrow.inputs
+    ctx = PackedAttention(plan.inputs, None, plan.layout, pool)
+    got = ctx.attend(0, q, k, v)[0].transpose(0, 1)[: plan.tokens]
+    torch.testing.assert_close(got, _direct(pool, q, rows), rtol=1e-5, atol=1e-5)
+
+
 def test_one_row_alone_sees_its_pages_only() -> None:
     """A row whose pages sit among other rows' pages of the pool (not in this forward)."""
     rows = [(44, 46, 4, [7, 2, 9])]
