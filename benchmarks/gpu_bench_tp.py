@@ -46,11 +46,11 @@ PROMPT, CANVAS, BLOCK, STEPS = 64, 256, 32, 64
 def write_random_checkpoint(
     config: dict, out: Path, device: str, shard_bytes: int = 8 << 30
 ) -> Path:
-    """Random bf16 weights of the architecture `config` under the published tensor names, in safetensors shards
-    of about `shard_bytes`. The model is laid out on the meta device; each shard's tensors are
-    drawn on `device`, moved to host memory, written and freed before the next shard, so a
-    model larger than one GPU (LLaDA2.0-flash's 206 GB) needs room for its files and one
-    shard, not for the model twice."""
+    """Random bf16 weights of the architecture `config` under the published tensor names, in
+    safetensors shards of about `shard_bytes`. The model is laid out on the meta device; each
+    shard's tensors are drawn on `device`, moved to host memory, written and freed before the
+    next shards, so a model larger than one GPU (LLaDA2.0-flash's 206 GB) needs room for its
+    files and a few shards, not for the model twice."""
     config = dict(config)
     family = detect_family(config)
     torch.manual_seed(0)
