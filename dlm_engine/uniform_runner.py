@@ -52,7 +52,8 @@ class UniformRunner:
         self.constraint_runtime: Any = None
         self.block_pages = None
         # prompt prefixes shared across rows (None: off; `prefix_cache_bytes` None: auto).
-        # Not under expert parallel: the workers' mirrors of the caches would miss the copy
+        # Not across ranks (tensor or expert parallel): the workers' mirrors of the caches
+        # would miss the copy
         if prefix_cache_bytes is None:
             prefix_cache_bytes = auto_budget(self.device)
         plain = isinstance(self.model, DiffusionGemmaModel)

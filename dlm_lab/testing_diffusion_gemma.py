@@ -171,18 +171,20 @@ def make_tiny_diffusion_gemma(
     sliding_window: int = 6,
     generation: dict[str, Any] | None = None,
     chat: str = "gemma",
+    text: dict[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint folder and return it. Weights are random but seeded, scaled up so
     the tiny model's distributions are far from uniform (entropy-bound acceptance, early
     stops and end-of-text all happen within a few canvases). `chat="gemma4"`: the tokenizer and
     chat template in Gemma 4's layout (turn and tool-call markup as special tokens, tools
-    rendered by the template), as the published checkpoint's."""
+    rendered by the template), as the published checkpoint's. `text`: text-config keys to
+    override (head counts, say)."""
     import torch
     from transformers import DiffusionGemmaForBlockDiffusion
 
     out = Path(out_dir)
     ids = build_gemma_char_tokenizer(out, chat)
-    config = tiny_config(ids["vocab_size"], canvas_length, sliding_window)
+    config = tiny_config(ids["vocab_size"], canvas_length, sliding_window, **(text or {}))
     config.pad_token_id, config.eos_token_id, config.bos_token_id = 0, 1, 2
     torch.manual_seed(seed)
     model = DiffusionGemmaForBlockDiffusion(config).eval()

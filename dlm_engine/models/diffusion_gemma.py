@@ -37,7 +37,7 @@ from torch import nn
 from ..cuda_graphs import GraphCache
 from .family import Family
 from .grouped_experts import gated_experts
-from .shard_rules import ShardRules
+from .shard_rules import COLUMN, EXPERT_COLUMN, EXPERT_ROW, ROW, ShardRules
 
 log = logging.getLogger(__name__)
 
@@ -196,15 +196,17 @@ class GemmaAttention(nn.Module):
     def __init__(self, a: DiffusionGemmaArch, shape: LayerShape) -> None:
         super().__init__()
         self.shape = shape
-        self.n_heads, self.head_dim, self.kv_heads = (
+        # per rank under tensor parallel (`parallel/sharding.py` splits both): the
+        # projections' views take their head counts from the shards
+        self.n_heads, self.head_dim, self.n_kv_heads = (
             a.num_attention_heads,
             shape.head_dim,
             shape.kv_heads,
         )
         self.q_proj = nn.Linear(a.hidden_size, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(a.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(a.hidden_size, self.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = (
-            nn.Linear(a.hidden_size, self.kv_heads * self.head_dim, bias=False)
+            nn.Linear(a.hidden_size, self.n_kv_heads * self.head_dim, bias=False)
             if shape.sliding
             else None
         )
@@ -229,7 +231,7 @@ class GemmaAttention(nn.Module):
         """Attention (scale 1) of rows with keys of one length: q [n, H, T, d], k/v [n, KV,
         S, d]. Query heads share key heads (GQA) inside the kernel on the GPU; on the CPU keys
         are repeated, as the reference does."""
-        rep = self.n_heads // self.kv_heads
+        rep = self.n_heads // self.n_kv_heads
         if q.is_cuda and (mask is not None or self.head_dim > 256):
             out = _grouped_attention(q, k, v, mask)
             if out is not None:
@@ -845,13 +847,26 @@ def _uniform_defaults(gen: dict[str, Any]) -> dict[str, Any]:
     return uniform_defaults(gen)
 
 
-# DiffusionGemma (`model.decoder.layers.N.experts.{gate_up_proj,down_proj}`, [E, ...]): only
-# its experts are spread (expert parallel); attention, dense MLPs and router are replicated
+# DiffusionGemma (`model.decoder.layers.N.{self_attn,mlp,experts}`). Tensor parallel: each rank
+# holds 1/N of every layer's heads (sliding and full layers alike), of its dense MLP and of
+# every routed expert's intermediate size. The dense MLP and the experts are normed apart
+# before they add up, so each is summed on its own (the dense MLP by its row layer, the
+# experts by their module's all-reduce): three all-reduces a layer. The router, norms,
+# self-conditioning MLP and the tied embedding/head stay whole. Expert parallel: only the
+# experts are spread (sliced by expert); everything else stays whole.
 GEMMA_RULES = ShardRules(
-    (),
+    (
+        (r"\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)\.weight$", COLUMN),
+        (r"\.layers\.\d+\.self_attn\.o_proj\.weight$", ROW),
+        (r"\.layers\.\d+\.mlp\.(gate_proj|up_proj)\.weight$", COLUMN),
+        (r"\.layers\.\d+\.mlp\.down_proj\.weight$", ROW),
+        (r"\.layers\.\d+\.experts\.gate_up_proj$", EXPERT_COLUMN),
+        (r"\.layers\.\d+\.experts\.down_proj$", EXPERT_ROW),
+    ),
+    summed=(r"\.layers\.\d+\.experts$",),
     expert_stack=r"\.layers\.\d+\.experts$",
     expert_stack_tensor=r"\.layers\.\d+\.experts\.(gate_up_proj|down_proj)$",
-    tensor_parallel=False,
+    split_with_experts=False,
     skip=("model.encoder.vision_tower.", "model.encoder.embed_vision."),
 )
 

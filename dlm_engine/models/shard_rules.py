@@ -19,6 +19,12 @@ QKV = "qkv"
 EXPERT = "expert"
 # a stacked experts tensor [E, ...] under expert parallel: this rank's E/N experts
 EXPERT_ROWS = "expert_rows"
+# a stacked experts tensor [E, 2I, H] (gate rows, then up rows) under tensor parallel: this
+# rank's 1/N of every expert's intermediate size, of its gate rows and of its up rows alike
+EXPERT_COLUMN = "expert_column"
+# a stacked experts tensor [E, H, I] under tensor parallel: this rank's 1/N of every expert's
+# inputs (the intermediate size); its module's all-reduce (`ShardRules.summed`) sums the ranks
+EXPERT_ROW = "expert_row"
 NEVER = r"(?!)"  # a pattern no name matches (the root module's empty name included)
 
 
@@ -43,6 +49,8 @@ class ShardRules:
     expert_stack_tensor: str | None = None
     # False: nothing is split by tensor parallel (only expert parallel runs)
     tensor_parallel: bool = True
+    # False: under expert parallel only the experts are spread, the rest stays whole
+    split_with_experts: bool = True
     skip: tuple[str, ...] = ()  # published tensors never read (a vision tower)
 
 

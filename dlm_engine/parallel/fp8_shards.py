@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.shard_rules import COLUMN, EXPERT, PARTIAL, QKV, ROW, VOCAB
+from ..models.shard_rules import COLUMN, EXPERT, EXPERT_COLUMN, EXPERT_ROW, PARTIAL, QKV, ROW, VOCAB
 
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale")
 
@@ -63,6 +63,10 @@ def scale_parts(
     if kind == VOCAB:
         raise ValueError(
             f"{layer}: an FP8 output head is not supported with tensor_parallel_size {world}"
+        )
+    if kind in (EXPERT_COLUMN, EXPERT_ROW):  # `start.check_supported` refuses these first
+        raise ValueError(
+            f"{layer}: FP8 stacked experts are not supported with tensor_parallel_size {world}"
         )
     blocked = block is not None and len(shape) == 2 and numel > 1
     bn, bk = block if blocked and block is not None else (1, 1)

@@ -1,10 +1,16 @@
-"""Expert parallel for DiffusionGemma: its experts spread over the ranks, the rest replicated.
+"""DiffusionGemma over several ranks: tensor parallel, or its experts spread (expert parallel).
 
-DiffusionGemma's attention and dense MLPs are not split over ranks; with `expert_parallel`
-each rank holds num_experts / N of every layer's stacked experts (`LocalExperts`, sliced by
+Tensor parallel (`sharding.py`, the family's `GEMMA_RULES`): each rank holds 1/N of every
+layer's query and key/value heads, of its dense MLP and of every routed expert's intermediate
+size; the attention output, the dense MLP and the experts are each summed over the ranks
+(three all-reduces a layer: each is normed before they meet). Each rank's row caches hold its
+own key/value heads only (they take the shape of its keys).
+
+Expert parallel (`expert_parallel`): attention and dense MLPs stay whole on every rank; each
+rank holds num_experts / N of every layer's stacked experts (`LocalExperts`, sliced by
 expert as the checkpoint stores them), runs them as grouped GEMMs on the (token, expert)
-pairs routed to them and sums the ranks' outputs with one all-reduce per layer. The router
-is replicated, so every rank routes every token alike.
+pairs routed to them and sums the ranks' outputs with one all-reduce per layer. Either way
+the router is replicated, so every rank routes every token alike.
 
 Rank 0's `ParallelGemma` stands where the model stands for `UniformRunner`: `encode` and
 `decode_hidden` first send the workers the call (`channel.py`) and then run rank 0's copy; the
@@ -88,7 +94,7 @@ class _CacheIds:
 
 
 class ParallelGemma(nn.Module):
-    """Rank 0's DiffusionGemma under expert parallel (see the module's docstring)."""
+    """Rank 0's DiffusionGemma over several ranks (see the module's docstring)."""
 
     logits_shift = 0
     # the runner's decoder-step graphs would replay rank 0's kernels without the workers
@@ -141,7 +147,9 @@ class ParallelGemma(nn.Module):
 
         self.workers.check()
         if self.broken is not None:
-            raise TensorParallelError(f"an earlier expert-parallel forward failed ({self.broken})")
+            raise TensorParallelError(
+                f"an earlier parallel DiffusionGemma forward failed ({self.broken})"
+            )
         header["drop"] = self.ids.take_dropped()
         try:
             self.channel.send(header, tensors)
@@ -149,7 +157,7 @@ class ParallelGemma(nn.Module):
         except Exception as exc:
             self.broken = f"{type(exc).__name__}: {exc}"
             self.workers.check(grace_s=FAILED_FORWARD_GRACE_S)  # a dead worker: the cause
-            raise TensorParallelError(f"expert-parallel forward failed: {exc}") from exc
+            raise TensorParallelError(f"parallel DiffusionGemma forward failed: {exc}") from exc
 
     def _cache_header(self, cache) -> list[int]:
         return [self.ids.of(cache), int(getattr(cache, "room", 0)), len(cache.keys)]
@@ -179,8 +187,8 @@ class ParallelGemma(nn.Module):
 
 
 class GemmaWorker:
-    """A worker rank of DiffusionGemma under expert parallel: its model (experts sliced, the
-    rest whole) and a mirror of each of rank 0's row caches."""
+    """A worker rank of DiffusionGemma: its shard of the model and a mirror of each of rank
+    0's row caches (its own key/value heads under tensor parallel)."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         from ..models.diffusion_gemma import RowCache

@@ -17,8 +17,13 @@ renumbered from 0, and its MoE layer learns its first expert (`first_expert`, se
 `models/moe.py`'s `run_experts`); the shared expert and everything else stays as above, so the
 MoE layer still ends in the one all-reduce that sums the ranks' partial outputs.
 A published FP8 checkpoint's scales are split with their weights (`fp8_shards.py`).
-DiffusionGemma runs only under expert parallel: its stacked experts (`expert_stack`) are
-sliced by expert into `gemma.LocalExperts`, everything else is replicated.
+
+Stacked experts (DiffusionGemma's `expert_stack`, [E, 2I, H] and [E, H, I]): under tensor
+parallel every expert keeps 1/N of its intermediate size (`expert_column`: this rank's rows of
+the gate half and of the up half; `expert_row`: its columns of down), the module's output
+summed over ranks (`summed`); under expert parallel they are sliced by expert into
+`gemma.LocalExperts` and, where the table says `split_with_experts=False`, everything else is
+replicated.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from ..models import FAMILIES, family_of
 from ..models.shard_rules import (
     COLUMN,
     EXPERT,
+    EXPERT_COLUMN,
+    EXPERT_ROW,
     EXPERT_ROWS,
     NEVER,
     PARTIAL,
@@ -63,10 +70,10 @@ def rules_for(family: str, expert_parallel: bool = False) -> ShardRules:
         tables = {f.name: f.shard_rules for f in FAMILIES if f.shard_rules is not None}
         split = sorted(f for f, r in tables.items() if r.tensor_parallel)
         only_ep = sorted(f for f, r in tables.items() if not r.tensor_parallel)
+        ep_only = f"; with expert_parallel only: {', '.join(only_ep)}" if only_ep else ""
         raise ValueError(
             f"tensor_parallel_size > 1 is not supported for the {family} family yet "
-            f"(supported: {', '.join(split)}; with expert_parallel only: {', '.join(only_ep)}); "
-            "serve it with tensor_parallel_size 1"
+            f"(supported: {', '.join(split)}{ep_only}); serve it with tensor_parallel_size 1"
         )
     return rules
 
@@ -89,6 +96,8 @@ def kind_of(name: str, rules: ShardRules, expert_parallel: bool = False) -> str:
         return EXPERT
     if expert_parallel and rules.expert_stack_tensor and re.search(rules.expert_stack_tensor, name):
         return EXPERT_ROWS
+    if expert_parallel and not rules.split_with_experts:
+        return REPLICATED
     for pattern, kind in rules.tensors:
         if re.search(pattern, name):
             return kind
@@ -143,13 +152,15 @@ def shard_model(
                 model.get_submodule(parent_name), attr, LocalExperts(module, rank, world, group)
             )
             continue
-        if not rules.tensor_parallel:
+        if not rules.tensor_parallel or (expert_parallel and not rules.split_with_experts):
             continue  # the rest is replicated
         if expert_parallel and re.search(rules.expert_list or NEVER, name):
             _keep_own_experts(model, name, module, rank, world)
             continue
         if expert_parallel and re.search(rules.expert_tensor or NEVER, name + "."):
             continue  # inside a routed expert: whole, or gone with the others' experts
+        if re.search(rules.expert_stack or NEVER, name):  # tensor parallel inside each expert
+            _split_expert_stack(module, name, world)
         if hasattr(module, "n_heads") and hasattr(module, "n_kv_heads"):
             module.n_heads = _split(module.n_heads, world, f"{name} attention heads")
             module.n_kv_heads = _split(module.n_kv_heads, world, f"{name} key/value heads")
@@ -168,6 +179,16 @@ def shard_model(
             continue
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+
+
+def _split_expert_stack(experts: nn.Module, name: str, world: int) -> None:
+    """Stacked experts (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) keep 1/world of
+    every expert's intermediate size, made where the model was built (meta while loading)."""
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    e, two_i, h = gate_up.shape
+    i = _split(two_i // 2, world, f"{name} (moe_intermediate_size)")
+    experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, device=gate_up.device))
+    experts.down_proj = nn.Parameter(torch.empty(e, down.shape[1], i, device=down.device))
 
 
 def _sharded_layer(
@@ -209,6 +230,14 @@ def _slice(sl, kind: str, rank: int, world: int, qkv: tuple[int, int] | None) ->
     if kind == EXPERT_ROWS:
         n = shape[0] // world
         return sl[rank * n : (rank + 1) * n]
+    if kind == EXPERT_COLUMN:  # [E, 2I, H]: this rank's rows of the gate half and of the up half
+        half = shape[1] // 2
+        n = half // world
+        gate, up = sl[:, rank * n : (rank + 1) * n], sl[:, half + rank * n : half + (rank + 1) * n]
+        return torch.cat([gate, up], dim=1)
+    if kind == EXPERT_ROW:  # [E, H, I]: this rank's columns of the intermediate size
+        n = shape[2] // world
+        return sl[:, :, rank * n : (rank + 1) * n]
     if kind == VOCAB:
         per = -(-shape[0] // world)
         lo, hi = min(rank * per, shape[0]), min((rank + 1) * per, shape[0])

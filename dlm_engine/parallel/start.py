@@ -58,11 +58,8 @@ def check_supported(
             f"GPTQ/AWQ checkpoints are not supported with tensor_parallel_size {world} yet"
         )
     fp8 = fp8_format(raw)  # an unknown quant_method: a clear error here
-    if (
-        fp8 is not None
-        and family.shard_rules is not None
-        and not family.shard_rules.tensor_parallel
-    ):
+    # stacked experts (DiffusionGemma) have no split of a published FP8 checkpoint's scales
+    if fp8 is not None and family.shard_rules is not None and family.shard_rules.expert_stack:
         raise ValueError(
             f"FP8 checkpoints are not supported for the {family.name} family with "
             f"tensor_parallel_size {world} yet"
