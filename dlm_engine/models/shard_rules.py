@@ -47,8 +47,6 @@ class ShardRules:
     # a pattern of its published tensors, sliced by expert
     expert_stack: str | None = None
     expert_stack_tensor: str | None = None
-    # False: nothing is split by tensor parallel (only expert parallel runs)
-    tensor_parallel: bool = True
     # False: under expert parallel only the experts are spread, the rest stays whole
     split_with_experts: bool = True
     skip: tuple[str, ...] = ()  # published tensors never read (a vision tower)

@@ -66,14 +66,11 @@ def _has_experts(rules: ShardRules) -> bool:
 def rules_for(family: str, expert_parallel: bool = False) -> ShardRules:
     """The family's table, or a clear error naming the setting for a family without one."""
     rules = family_of(family).shard_rules
-    if rules is None or not (rules.tensor_parallel or expert_parallel):
-        tables = {f.name: f.shard_rules for f in FAMILIES if f.shard_rules is not None}
-        split = sorted(f for f, r in tables.items() if r.tensor_parallel)
-        only_ep = sorted(f for f, r in tables.items() if not r.tensor_parallel)
-        ep_only = f"; with expert_parallel only: {', '.join(only_ep)}" if only_ep else ""
+    if rules is None:
+        split = sorted(f.name for f in FAMILIES if f.shard_rules is not None)
         raise ValueError(
             f"tensor_parallel_size > 1 is not supported for the {family} family yet "
-            f"(supported: {', '.join(split)}{ep_only}); serve it with tensor_parallel_size 1"
+            f"(supported: {', '.join(split)}); serve it with tensor_parallel_size 1"
         )
     return rules
 
@@ -152,7 +149,7 @@ def shard_model(
                 model.get_submodule(parent_name), attr, LocalExperts(module, rank, world, group)
             )
             continue
-        if not rules.tensor_parallel or (expert_parallel and not rules.split_with_experts):
+        if expert_parallel and not rules.split_with_experts:
             continue  # the rest is replicated
         if expert_parallel and re.search(rules.expert_list or NEVER, name):
             _keep_own_experts(model, name, module, rank, world)
