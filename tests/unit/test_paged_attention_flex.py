@@ -53,14 +53,22 @@ def _queries(rows=ROWS) -> list[RowQuery]:
     ]
 
 
-def _forward(pool: PagePool, mode: str, bucket: bool, q, k, v, rows=ROWS) -> torch.Tensor:
-    plan = plan_packed(
+def _plan(pool: PagePool, mode: str, bucket: bool, rows=ROWS):
+    return plan_packed(
         _queries(rows), width=4, shift=0, pad_id=0, device=torch.device("cpu"), pool=None,
         bucket=bucket, query_multiple=1, pages=pool, paged_attention=mode,
     )  # fmt: skip
-    assert (paged_flex.PAGES in plan.inputs) == (mode == "flex")
+
+
+def _attend(pool: PagePool, plan, q, k, v) -> torch.Tensor:
     ctx = PackedAttention(plan.inputs, None, plan.layout, pool)
     return ctx.attend(0, q, k, v)[0].transpose(0, 1)[: plan.tokens]  # real tokens [N, H, D]
+
+
+def _forward(pool: PagePool, mode: str, bucket: bool, q, k, v, rows=ROWS) -> torch.Tensor:
+    plan = _plan(pool, mode, bucket, rows)
+    assert (paged_flex.PAGES in plan.inputs) == (mode == "flex")
+    return _attend(pool, plan, q, k, v)
 
 
 def _direct(pool: PagePool, q: torch.Tensor, rows=ROWS) -> torch.Tensor:
@@ -134,18 +142,10 @@ def test_a_prompt_wider_than_the_flex_limit_gathers_its_step() -> None:
     n = wide + 4
     q, k, v = _packed(packed_bucket(n), seed=4)
     pool = _pool(pages=16)
-    plan = plan_packed(
-        _queries(rows), width=4, shift=0, pad_id=0, device=torch.device("cpu"), pool=None,
-        bucket=True, query_multiple=1, pages=pool, paged_attention="flex",
-    )  # fmt: skip
+    plan = _plan(pool, "flex", True, rows)
     assert paged_flex.PAGES not in plan.inputs and "block_pages" in plan.inputs
-    narrow = plan_packed(
-        _queries(rows[1:]), width=4, shift=0, pad_id=0, device=torch.device("cpu"), pool=None,
-        bucket=True, query_multiple=1, pages=pool, paged_attention="flex",
-    )  # fmt: skip
-    assert paged_flex.PAGES in narrow.inputs
-    ctx = PackedAttention(plan.inputs, None, plan.layout, pool)
-    got = ctx.attend(0, q, k, v)[0].transpose(0, 1)[: plan.tokens]
+    assert paged_flex.PAGES in _plan(pool, "flex", True, rows[1:]).inputs
+    got = _attend(pool, plan, q, k, v)
     torch.testing.assert_close(got, _direct(pool, q, rows), rtol=1e-5, atol=1e-5)
 
 
