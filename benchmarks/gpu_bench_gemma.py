@@ -388,9 +388,14 @@ def baseline_forward(path: str, model: Any, batch: int, args, vocab: int) -> dic
     }
 
 
-def profile_steps(engine: Engine, batch: int, args, vocab: int) -> dict[str, str]:
-    """Two plain denoising steps at `batch` under torch.profiler: the ops by device time and
-    by host time (is a step bound by the GPU or by launching its kernels?)."""
+def profile_steps(
+    engine: Engine, batch: int, args, vocab: int, trace_dir: str | None = None
+) -> dict[str, str]:
+    """`batch` requests under torch.profiler, in two parts: the step that admits them (its
+    encoder forward over the first `encode_step_tokens` of their prompts) and two plain
+    denoising steps once every prompt is encoded. Ops by device time and by host time for
+    each (is a part bound by the GPU or by launching its kernels?); with `trace_dir`, each
+    part's Chrome trace too."""
     from torch.profiler import ProfilerActivity, profile
 
     gen = torch.Generator().manual_seed(7)
@@ -398,22 +403,29 @@ def profile_steps(engine: Engine, batch: int, args, vocab: int) -> dict[str, str
     for i in range(batch):
         prompt = torch.randint(3, vocab, (args.prompt,), generator=gen).tolist()
         engine.add_request(None, prompt, params | {"seed": i})
-    for _ in range(3):  # prompts encoded, two plain steps
-        engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
+    budget = engine.runner.encode_step_tokens or batch * args.prompt
+    encode_steps = -(-batch * args.prompt // budget)
+    parts = {"encode": (0, 1), "denoise": (encode_steps + 1, 2)}
+    tables: dict[str, str] = {}
+    for name, (before, count) in parts.items():
+        for _ in range(before):
             engine.step()
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(count):
+                engine.step()
+            torch.cuda.synchronize()
+        if trace_dir:
+            Path(trace_dir).mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(Path(trace_dir) / f"gemma_b{batch}_{name}.json"))
+        events = prof.key_averages()
+        for order in ("device", "host"):
+            key = "self_cuda_time_total" if order == "device" else "self_cpu_time_total"
+            table = events.table(sort_by=key, row_limit=30, max_name_column_width=70)
+            tables[f"{name}_by_{order}_time"] = table
+            print(f"---- profile batch {batch} {name} by {order} time\n{table}", flush=True)
     for _ in engine.outputs():
         pass
-    events = prof.key_averages()
-    tables = {
-        "by_device_time": events.table(sort_by="self_cuda_time_total", row_limit=25),
-        "by_host_time": events.table(sort_by="self_cpu_time_total", row_limit=25),
-    }
-    for name, table in tables.items():
-        print(f"---- profile batch {batch} {name}\n{table}", flush=True)
     return tables
 
 
@@ -451,7 +463,10 @@ def main() -> None:
         default="none",
         help="fp8: the linear layers and the experts quantized at load (e4m3, per channel)",
     )
-    ap.add_argument("--profile", type=int, default=0, help="profile 2 steps at this batch")
+    ap.add_argument(
+        "--profile", type=int, default=0, help="profile an encode and 2 steps at this batch"
+    )
+    ap.add_argument("--profile-dir", help="write the profiled parts' Chrome traces here")
     ap.add_argument(
         "--graphs", choices=("on", "off", "both"), default="both", help="decoder CUDA graphs"
     )
@@ -558,7 +573,7 @@ def main() -> None:
         if twin and "tokens_digest" in row and "tokens_digest" in twin[0]:
             row["tokens_equal_other_mode"] = row["tokens_digest"] == twin[0]["tokens_digest"]
     if args.profile:
-        report["profile"] = profile_steps(engine, args.profile, args, vocab)
+        report["profile"] = profile_steps(engine, args.profile, args, vocab, args.profile_dir)
     text = json.dumps(report, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")
