@@ -39,7 +39,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 MODES = ("gather", "flex")
-RECOMPILE_LIMIT = 512  # compiled shapes of the flex call: (rows, query width) buckets
+RECOMPILE_LIMIT = 512  # compiled shapes of the flex call: (rows, query, table width) buckets
 # the widest query a row may feed for its group to read in place: denoising steps feed a block
 # (4-32 tokens; a few blocks under multi_bd), prompts up to thousands. Every query width
 # compiles the call once (seconds), so a prompt's step gathers instead (there the arithmetic,
@@ -55,8 +55,13 @@ LOGICAL = "block_flex_logical"  # [pages + 1] int32: page -> its logical index t
 
 def host_inputs(table: np.ndarray, limit: np.ndarray, page_tokens: int, trash: int) -> dict:
     """The flex path's index arrays from a plan's page table [rows, P] (trash past each row's
-    pages; all trash for padding rows) and key limits [rows, Tq] (1 for padding rows)."""
-    rows, n_pages = table.shape
+    pages; all trash for padding rows) and key limits [rows, Tq] (1 for padding rows). The
+    table is padded with trash to a power-of-two width, so every compiled shape is static and
+    a few widths serve every length (the kernel reads only each row's `blocks` pages)."""
+    rows, width = table.shape
+    n_pages = 1 << max(0, (width - 1).bit_length())
+    if n_pages != width:
+        table = np.concatenate([table, np.full((rows, n_pages - width), trash, table.dtype)], 1)
     blocks = -(-limit.max(axis=1) // page_tokens)  # pages holding the row's visible keys
     logical = np.zeros(trash + 1, dtype=np.int32)  # the trash page: index 0 (padding rows)
     real = table != trash
@@ -88,8 +93,6 @@ def block_mask(x: dict[str, torch.Tensor], page_tokens: int, pool_tokens: int, r
         return (table[b, 0, 0, index] == page) & (index * pt + kv_idx % pt < limit[b, q_idx])
 
     tq = limit.shape[1]
-    # pages per row grow with the rows' lengths: one compiled kernel serves them all
-    torch._dynamo.maybe_mark_dynamic(table, 3)
     return BlockMask.from_kv_blocks(
         x[BLOCKS],
         table,
@@ -114,10 +117,11 @@ def supported(page_tokens: int, device: torch.device) -> bool:
 
 @functools.cache
 def _compiled():
-    """FlexAttention compiled with static shapes except the page-table width (marked in
-    `block_mask`): the decoding kernel, which serves a row's few queries, needs a static batch.
-    Every (rows, query width) bucket compiles once, so the per-function recompile limit is
-    raised above the bucket count (once it is hit, dynamo would run the unfused path)."""
+    """FlexAttention compiled with static shapes: the decoding kernel, which serves a row's few
+    queries, needs a static batch, and a symbolic page-table width made Triton reject the
+    kernel (an int64 length beside int32 block counts). Every (rows, query width, table
+    width) bucket compiles once, so the per-function recompile limit is raised above the
+    bucket count (once it is hit, dynamo would run the unfused path)."""
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "accumulated_recompile_limit"):
         setattr(cfg, name, max(int(getattr(cfg, name)), RECOMPILE_LIMIT))
