@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cuda_graphs import GraphCache
-from .common import FusedKernels
 from .family import Family
 from .grouped_experts import gated_experts
 from .shard_rules import COLUMN, EXPERT_COLUMN, EXPERT_ROW, ROW, ShardRules
@@ -193,22 +192,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + _rotate_half(x) * sin
 
 
-def _norm_rope(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor:
-    """Queries or keys [B, T, heads, d] RMS-normed per head (float32 inside, times `weight`,
-    as `GemmaRMSNorm` on the CPU) and rotated: one function, so that on the GPU it compiles
-    into one kernel instead of a norm and five elementwise passes over the heads."""
-    h = x.float()
-    h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
-    return _rope((h * weight.float()).type_as(x), cos, sin)
-
-
-# own compiled kernels for queries and keys (their head counts and widths differ per layer kind)
-norm_rope_q = FusedKernels(_norm_rope)
-norm_rope_k = FusedKernels(_norm_rope)
-
-
 class GemmaAttention(nn.Module):
     def __init__(self, a: DiffusionGemmaArch, shape: LayerShape) -> None:
         super().__init__()
@@ -236,12 +219,11 @@ class GemmaAttention(nn.Module):
         """Queries [B, H, T, d], keys and values [B, KV, T, d] (normed, keys and queries
         rotated)."""
         b, t, _ = h.shape
-        eps = self.q_norm.eps
-        q = self.q_proj(h).view(b, t, -1, self.head_dim)
-        q = norm_rope_q(q, self.q_norm.weight, eps, cos, sin).transpose(1, 2)
+        q = self.q_norm(self.q_proj(h).view(b, t, -1, self.head_dim))
+        q = _rope(q, cos, sin).transpose(1, 2)
         k = self.k_proj(h).view(b, t, -1, self.head_dim)
         v = self.v_proj(h).view(b, t, -1, self.head_dim) if self.v_proj is not None else k
-        k = norm_rope_k(k, self.k_norm.weight, self.k_norm.eps, cos, sin).transpose(1, 2)
+        k = _rope(self.k_norm(k), cos, sin).transpose(1, 2)
         v = self.v_norm(v).transpose(1, 2)
         return q, k, v
 
@@ -275,9 +257,9 @@ _MASKED_QUERIES_PER_CHUNK = 1024
 def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None):
     """Attention (scale 1) where PyTorch's fused kernels do not run and it would fall back to
     float32 products: heads wider than 256 (the full layers' 512), masked (the encoder's
-    causal spans) or not. Each key head's query heads
-    go through one bf16 product with float32 scores, a float32 softmax and one bf16 product
-    with the values, in chunks of queries. `mask` [T, S] is True where a query may look;
+    causal spans) or not. Each key head's query heads go through one bf16 product with
+    float32 scores, a float32 softmax and one bf16 product with the values, in chunks of
+    queries. `mask` [T, S] is True where a query may look;
     None where `bmm(out_dtype=)` is missing. Rows (the batch) fold into the products' batch."""
     if _GROUPED_ATTENTION_FAILED:
         return None
