@@ -411,7 +411,8 @@ def profile_steps(
         for _ in range(before):
             engine.step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=activities, record_shapes=True) as prof:
             for _ in range(count):
                 engine.step()
             torch.cuda.synchronize()
