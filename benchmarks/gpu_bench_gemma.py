@@ -395,7 +395,8 @@ def profile_steps(
     encoder forward over the first `encode_step_tokens` of their prompts) and two plain
     denoising steps once every prompt is encoded. Ops by device time and by host time for
     each (is a part bound by the GPU or by launching its kernels?); with `trace_dir`, each
-    part's Chrome trace too."""
+    part's Chrome trace too, with each op's input shapes. Under `--graphs on` the decoder's
+    kernels replay from a graph and name no op; `--graphs off` attributes them."""
     from torch.profiler import ProfilerActivity, profile
 
     gen = torch.Generator().manual_seed(7)
