@@ -68,3 +68,41 @@ def test_a_fused_row_draws_as_a_row_that_reads_the_logits(loaded, monkeypatch) -
         # the same calls on the generator: multinomial over the canvas, randint to renoise
         assert torch.equal(plain.generator.get_state(), fused.generator.get_state())
         assert plain.remaining == fused.remaining and plain.forwards == fused.forwards
+
+
+@torch.no_grad()
+def test_rows_fused_together_draw_as_each_alone(loaded, monkeypatch) -> None:
+    """Four rows at different temperatures (steps left) through one step: one fused pass a
+    row against passes of three rows at once (a group of three and a group of one). Each row
+    draws the same calls from its generator from the same statistics either way."""
+    model = loaded.model
+    monkeypatch.setattr(ud.UniformRow, "fuses", lambda self, h, m: True)
+    torch.manual_seed(2)
+    hidden = torch.randn(4, model.canvas_length, model.arch.hidden_size)
+    outcomes = []
+    for per_pass in (1, 3):
+        monkeypatch.setattr(ud, "FUSED_ROWS_PER_PASS", per_pass)
+        rows = [_row(loaded, seed) for seed in (3, 4, 5, 6)]
+        for row, left in zip(rows, (16, 9, 3, 1), strict=True):
+            row.remaining = left
+        calls = []
+        monkeypatch.setattr(ud, "sampler_statistics", _counting(calls))
+        verdicts = ud.absorb_rows(rows, hidden, model)
+        outcomes.append((rows, verdicts, len(calls)))
+    (alone, v_alone, passes_alone), (together, v_together, passes_together) = outcomes
+    assert (passes_alone, passes_together) == (4, 2)
+    for a, b, va, vb in zip(alone, together, v_alone, v_together, strict=True):
+        assert torch.equal(a.argmax, b.argmax)
+        assert torch.equal(a.current, b.current)
+        torch.testing.assert_close(a.soft, b.soft)
+        assert torch.equal(a.generator.get_state(), b.generator.get_state())
+        assert (va is None) == (vb is None) and (va is None or torch.equal(va, vb))
+        assert a.remaining == b.remaining and a.forwards == b.forwards
+
+
+def _counting(calls: list):
+    def statistics(product, cap, temp):
+        calls.append(product.shape[0])
+        return ud._sampler_statistics(product, cap, temp)
+
+    return statistics
