@@ -241,12 +241,33 @@ class GemmaAttention(nn.Module):
             if out is not None:
                 return out
         if rep > 1 and q.is_cuda:
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True
+            return by_query_chunks(
+                lambda qc, mc: F.scaled_dot_product_attention(
+                    qc, k, v, attn_mask=mc, scale=1.0, enable_gqa=True
+                ),
+                q,
+                mask,
+                _SDPA_MASKED_QUERIES,
             )
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+
+
+# masked queries one SDPA call takes at most: its kernels expand a boolean mask into a
+# [queries, keys] bias, so a long prompt chunk goes in parts (the rows of a mask are each
+# query's own: parts attend exactly as one call)
+_SDPA_MASKED_QUERIES = 4096
+
+
+def by_query_chunks(attend, q: torch.Tensor, mask: torch.Tensor | None, most: int):
+    """`attend(q, mask)` over q [n, H, T, d] in parts of at most `most` queries, each with its
+    rows of `mask` [T, S]; one call where the mask is None or T fits."""
+    t = q.shape[2]
+    if mask is None or t <= most:
+        return attend(q, mask)
+    parts = [attend(q[:, :, a : a + most], mask[a : a + most]) for a in range(0, t, most)]
+    return torch.cat(parts, dim=2)
 
 
 _GROUPED_ATTENTION_FAILED: list[str] = []

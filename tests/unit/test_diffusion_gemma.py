@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dlm_engine.decoding.uniform_diffusion import (
     accepted_mask,
@@ -21,7 +22,7 @@ from dlm_engine.decoding.uniform_diffusion import (
     run_rows,
 )
 from dlm_engine.loader import load_checkpoint
-from dlm_engine.models.diffusion_gemma import DiffusionGemmaModel
+from dlm_engine.models.diffusion_gemma import DiffusionGemmaModel, by_query_chunks
 from dlm_lab.testing_diffusion_gemma import generation_settings, make_tiny_diffusion_gemma
 
 transformers = pytest.importorskip("transformers")
@@ -328,3 +329,25 @@ def test_grouped_attention_over_several_rows_equals_each_row():
                 scale=1.0,
             )
             torch.testing.assert_close(rows[r : r + 1], plain, rtol=1e-5, atol=1e-5)
+
+
+def test_masked_attention_in_query_parts_equals_one_call() -> None:
+    """A long masked span attends in parts of queries (the GPU's SDPA expands a boolean mask
+    into a [queries, keys] bias): each part with its own mask rows gives what one call does."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 37, 8), torch.randn(2, 4, 50, 8), torch.randn(2, 4, 50, 8)
+    pos, kpos = torch.arange(13, 50)[:, None], torch.arange(50)[None, :]
+    mask = (kpos <= pos) & (kpos > pos - 9)  # causal after 13 cached keys, window 9
+    calls = []
+
+    def attend(qc, mc):
+        calls.append(qc.shape[2])
+        return F.scaled_dot_product_attention(qc, k, v, attn_mask=mc, scale=1.0)
+
+    whole = attend(q, mask)
+    calls.clear()
+    torch.testing.assert_close(by_query_chunks(attend, q, mask, 10), whole)
+    assert calls == [10, 10, 10, 7]
+    calls.clear()
+    by_query_chunks(attend, q, None, 10)  # unmasked (the decoder's canvas): one call
+    assert calls == [37]
