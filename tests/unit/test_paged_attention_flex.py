@@ -170,6 +170,21 @@ def test_host_inputs_map_pages_to_their_logical_index() -> None:
         paged_flex.host_inputs(np.array([[1, 2], [2, 1]]), limit[:2], 16, trash)
 
 
+def test_host_inputs_pad_the_table_to_a_power_of_two_width() -> None:
+    """Compiled shapes stay static and few: a table of 5 pages a row becomes 8 wide, the
+    added columns trash, the pages each row reads and the page map as before."""
+    trash = 20
+    table = np.array([[3, 1, 4, 7, 8], [2, 5, trash, trash, trash]])
+    limit = np.array([[70, 80], [20, 30]])
+    got = paged_flex.host_inputs(table, limit, 16, trash)
+    pages = got[paged_flex.PAGES].reshape(2, -1)
+    assert pages.shape == (2, 8)
+    assert (pages[:, :5] == table).all() and (pages[:, 5:] == trash).all()
+    assert got[paged_flex.BLOCKS].ravel().tolist() == [5, 2]
+    four = paged_flex.host_inputs(table[:, :4], limit, 16, trash)  # already a power of two
+    assert four[paged_flex.PAGES].shape[-1] == 4
+
+
 def test_kernel_tile_divides_the_page() -> None:
     assert [paged_flex.kernel_block(p) for p in (16, 20, 32, 48, 128)] == [16, 0, 32, 16, 64]
     assert paged_flex.supported(20, torch.device("cpu"))
