@@ -215,6 +215,11 @@ def main() -> None:
         help="one more run per batch under the profiler: host ms a step, device-busy fraction",
     )
     ap.add_argument("--out", default="")
+    ap.add_argument(
+        "--expert-gemm",
+        default="aten",
+        help="comma list of aten,triton: each runs every batch (the `expert_gemm` setting)",
+    )
     ap.add_argument("--shared-prefix", type=int, default=0, help="run the prefix-cache section")
     ap.add_argument("--requests", type=int, default=32, help="prefix-cache section: requests")
     ap.add_argument(
@@ -251,7 +256,10 @@ def main() -> None:
             max_rows=max(batches), max_canvas=args.canvas + block,
             max_prompt=args.prompt + 8, max_queue=max(batches) * 2,
         )  # fmt: skip
-        engine = Engine(dataclasses.replace(cfg, paged_attention=modes[0]), lm)
+        kernels = args.expert_gemm.split(",")
+        engine = Engine(
+            dataclasses.replace(cfg, paged_attention=modes[0], expert_gemm=kernels[0]), lm
+        )
         params = {
             "max_tokens": args.canvas,
             "block_length": block,
@@ -270,13 +278,16 @@ def main() -> None:
               f"weights {weight_bytes(lm.model, None) / 1e9:.2f} GB")  # fmt: skip
         print(f"reference (no cache, batch 1, gen {args.ref_canvas}): {ref['tok_s']:.1f} tok/s, "
               f"{ref['seconds'] / ref['forwards'] * 1e3:.2f} ms/forward")  # fmt: skip
-        print(" batch    tok/s  ms/step  floor ms  x floor  x ref  steps  paged_attention")
-        for mode, b in itertools.product(modes, batches):
-            if engine.config.paged_attention != mode:  # one pool at a time on the device
-                del engine
+        print(
+            " batch    tok/s  ms/step  floor ms  x floor  x ref  steps  paged_attention expert_gemm"
+        )
+        for mode, kernel, b in itertools.product(modes, kernels, batches):
+            setting = {"paged_attention": mode, "expert_gemm": kernel}
+            if any(getattr(engine.config, k) != v for k, v in setting.items()):
+                del engine  # one pool at a time on the device
                 gc.collect()
                 torch.cuda.empty_cache() if dev.type == "cuda" else None
-                engine = Engine(dataclasses.replace(cfg, paged_attention=mode), lm)
+                engine = Engine(dataclasses.replace(cfg, **setting), lm)
             prompts = [
                 torch.randint(100, vocab, (args.prompt,), generator=gen).tolist() for _ in range(b)
             ]
@@ -291,14 +302,14 @@ def main() -> None:
             floor_ms = weight_bytes(lm.model, share) / bw * 1e3
             row = {
                 "model": preset, "quantization": quant, "family": family, "batch": b, "block": block, "steps": steps,
-                "paged_attention": mode,
+                "paged_attention": mode, "expert_gemm": kernel,
                 **res, "floor_ms": floor_ms, "x_floor": res["ms_per_step"] / floor_ms,
                 "ref_tok_s": ref["tok_s"], "x_ref": res["tok_s"] / ref["tok_s"],
                 "distinct_experts": distinct,
             }  # fmt: skip
             rows.append(row)
             print(f"{b:6d} {res['tok_s']:8.0f} {res['ms_per_step']:8.2f} {floor_ms:9.2f} "
-                  f"{row['x_floor']:8.2f} {row['x_ref']:6.1f} {res['steps']:6d}  {mode}"
+                  f"{row['x_floor']:8.2f} {row['x_ref']:6.1f} {res['steps']:6d}  {mode} {kernel}"
                   + (f"  experts/layer {distinct:.0f}" if distinct else "")
                   + _timeline_text(res.get("timeline")))  # fmt: skip
         del engine, lm

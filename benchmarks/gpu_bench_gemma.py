@@ -473,6 +473,9 @@ def main() -> None:
     )
     ap.add_argument("--profile-dir", help="write the profiled parts' Chrome traces here")
     ap.add_argument(
+        "--expert-gemm", default="aten", help="aten or triton: the experts' kernel (`expert_gemm`)"
+    )
+    ap.add_argument(
         "--sampler-rows",
         type=int,
         default=0,
@@ -508,6 +511,7 @@ def main() -> None:
         uniform_diffusion.FUSED_ROWS_PER_PASS = args.sampler_rows
     report["conditions"] = {
         "sampler_rows_per_pass": uniform_diffusion.FUSED_ROWS_PER_PASS,
+        "expert_gemm": args.expert_gemm,
         "prompt_tokens": args.prompt,
         "output_tokens": args.output,
         "steps_per_canvas": args.steps,
@@ -541,6 +545,7 @@ def main() -> None:
         max_canvas=max(args.output, 2 * model.canvas_length),  # the warm-up's two canvases
         max_step_tokens=1 << 24,
         max_queue=4 * max(batches),
+        expert_gemm=args.expert_gemm,
         **({"encode_step_tokens": args.encode_step_tokens} if args.encode_step_tokens else {}),
         encoder_prefix_cache_bytes=(
             None if args.encoder_prefix_cache_bytes < 0 else args.encoder_prefix_cache_bytes

@@ -27,6 +27,7 @@ from .decoding.structured import StructuredOutput
 from .errors import InvalidRequestError
 from .loader import LoadedModel, load_checkpoint
 from .model_runner import ModelRunner
+from .models.expert_gemm import ExpertGemm
 from .output_state import OutputState
 from .outputs import RequestOutput
 from .paged_kv import cpu_pool_tokens, page_size
@@ -67,6 +68,7 @@ class Engine:
         self.mask_id = lm.mask_id
         self.stop_ids = lm.stop_ids
         pad_id = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else lm.eos_id
+        ExpertGemm.set_mode(config.expert_gemm)  # the MoE experts' kernel, this process
         # DiffusionGemma rows run on their own runner (uniform_runner.py), the rest here
         self.runner = (
             UniformRunner(

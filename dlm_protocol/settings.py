@@ -378,6 +378,18 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("gather", "flex"),
     ),
     Setting(
+        "expert_gemm",
+        "str",
+        "aten",
+        "MoE families (LLaDA2, SDAR-MoE, DiffusionGemma) on CUDA: the kernel of the experts' "
+        "grouped products; `aten` runs `torch._grouped_mm` (CUTLASS); `triton` compiles it "
+        "with `torch.compile` max-autotune, which times inductor's Triton grouped-GEMM "
+        "templates against aten once per weight shape at warm-up (tens of seconds) and keeps "
+        "the fastest; a failed compile falls back to aten and is reported; no effect on the "
+        "CPU",
+        choices=("aten", "triton"),
+    ),
+    Setting(
         "warmup",
         "bool",
         True,

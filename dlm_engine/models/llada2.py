@@ -34,7 +34,7 @@ from .common import (
     rope_tables,
 )
 from .family import Family
-from .moe import route, run_experts
+from .moe import route, run_experts, stack_experts
 from .shard_rules import COLUMN, PARTIAL, QKV, ROW, VOCAB, ShardRules
 
 
@@ -185,19 +185,12 @@ class LLaDA2SparseMoe(nn.Module):
         # (dlm_engine/parallel/sharding.py); None: every expert
         self.first_expert: int | None = None
 
-    def _stack(self) -> tuple[torch.Tensor, torch.Tensor]:
-        gate_up = torch.stack(
-            [torch.cat((e.gate_proj.weight, e.up_proj.weight)).t() for e in self.experts]
-        )
-        down = torch.stack([e.down_proj.weight.t() for e in self.experts])
-        return gate_up.contiguous(), down.contiguous()
-
     def fuse(self) -> None:
         if hasattr(self.experts[0].gate_proj, "weight_scale"):  # a published FP8 checkpoint
             self._fuse_fp8()
         else:
             with torch.no_grad():
-                gate_up, down = self._stack()
+                gate_up, down = stack_experts(self.experts)
             self.w_gate_up = nn.Parameter(gate_up, requires_grad=False)
             self.w_down = nn.Parameter(down, requires_grad=False)
         del self.experts
@@ -238,7 +231,7 @@ class LLaDA2SparseMoe(nn.Module):
         if self.w_gate_up is not None:
             gate_up, down = self.w_gate_up, self.w_down
         else:
-            gate_up, down = self._stack()
+            gate_up, down = stack_experts(self.experts)
         y = run_experts(flat, chosen, weights, gate_up, down, self.first_expert).view_as(x)
         if a.num_shared_experts > 0:
             y = y + self.shared_experts(x)

@@ -7,8 +7,9 @@ is the sum of its two best biased scores; the `topk_group` best groups stay elig
 experts among them are chosen; their weights are the *unbiased* scores, renormalised (when
 k > 1) and scaled by `routed_scaling_factor`.
 
-The experts run as two grouped GEMMs over tokens sorted by expert (`torch._grouped_mm`, the
-kernel the H100 uses; it also runs on CPU), never as a Python loop over experts. No step
+The experts run as two grouped GEMMs over tokens sorted by expert (`torch._grouped_mm`, which
+also runs on CPU, or on CUDA its Triton-tuned compile: `expert_gemm.py`), never as a Python
+loop over experts. No step
 waits on the host (no `.item()`, no data-dependent shapes), so the layer can be captured in a
 CUDA graph. Where `_grouped_mm` is unavailable for a device and dtype, a per-row gathered
 `torch.bmm` computes the same products.
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import silu_mul
+from .expert_gemm import grouped_mm
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +91,22 @@ def grouped_linear(
     key = (x.device.type, x.dtype)
     if key not in _GROUPED_MM_FAILED:
         try:
-            return torch._grouped_mm(x, w, offs=offs)
+            return grouped_mm(x, w, offs)
         except (RuntimeError, NotImplementedError, AttributeError, TypeError) as exc:
             log.warning("torch._grouped_mm unavailable for %s %s (%s): gathered bmm", *key, exc)
             _GROUPED_MM_FAILED.add(key)
     return _gathered_bmm(x, w, expert_of_row)
+
+
+def stack_experts(experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate/up and down weights of `experts` (modules with `gate_proj`, `up_proj`,
+    `down_proj` linear layers) stacked for `run_experts`: [E, H, 2I] and [E, I, H], each a
+    transposed view of the published rows ([E, 2I, H], [E, H, I]), so the grouped kernels read
+    every expert's weights along the inputs, the layout they read fastest
+    (`benchmarks/gpu_check_grouped_mm.py`)."""
+    gate_up = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in experts])
+    down = torch.stack([e.down_proj.weight for e in experts])
+    return gate_up.transpose(-2, -1), down.transpose(-2, -1)
 
 
 def run_experts(

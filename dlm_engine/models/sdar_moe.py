@@ -24,7 +24,7 @@ from torch import nn
 from ..tokenizer_build import SDAR_TOKENIZER
 from .common import fuse_gate_up
 from .family import Family
-from .moe import run_experts
+from .moe import run_experts, stack_experts
 from .sdar import FAMILY as SDAR_FAMILY
 from .sdar import SDARArch, SDARLayer, SDARModel
 from .shard_rules import COLUMN, PARTIAL, QWEN_RULES, ROW, VOCAB, ShardRules
@@ -99,16 +99,9 @@ class SDARMoeSparseMoe(nn.Module):
         # (dlm_engine/parallel/sharding.py); None: every expert
         self.first_expert: int | None = None
 
-    def _stack(self) -> tuple[torch.Tensor, torch.Tensor]:
-        gate_up = torch.stack(
-            [torch.cat((e.gate_proj.weight, e.up_proj.weight)).t() for e in self.experts]
-        )
-        down = torch.stack([e.down_proj.weight.t() for e in self.experts])
-        return gate_up.contiguous(), down.contiguous()
-
     def fuse(self) -> None:
         with torch.no_grad():
-            gate_up, down = self._stack()
+            gate_up, down = stack_experts(self.experts)
         self.w_gate_up = nn.Parameter(gate_up, requires_grad=False)
         self.w_down = nn.Parameter(down, requires_grad=False)
         del self.experts
@@ -127,7 +120,7 @@ class SDARMoeSparseMoe(nn.Module):
         if self.w_gate_up is not None:
             gate_up, down = self.w_gate_up, self.w_down
         else:
-            gate_up, down = self._stack()
+            gate_up, down = stack_experts(self.experts)
         return run_experts(flat, chosen, weights, gate_up, down, self.first_expert).view_as(x)
 
 

@@ -138,6 +138,7 @@ def start_tensor_parallel(config: EngineConfig) -> LoadedModel:
         # the model runner compiles the elementwise pieces on CUDA: every rank alike, so the
         # replicated hidden states (and LLaDA2's routing of them) agree bit for bit
         "fused_kernels": bool(config.fused_kernels),
+        "expert_gemm": config.expert_gemm,  # every rank alike
         "expert_parallel": bool(config.expert_parallel),
         "quantization": config.quantization,
     }

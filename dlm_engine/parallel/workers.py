@@ -263,6 +263,9 @@ def worker_main(spec: dict[str, Any]) -> int:
         from ..models.common import FusedKernels
 
         FusedKernels.enabled = True
+    from ..models.expert_gemm import ExpertGemm
+
+    ExpertGemm.set_mode(spec.get("expert_gemm", "aten"))
     init_group(store, rank, world, device, float(spec["timeout_s"]))
     try:
         loaded = load_rank(spec, rank, world)
