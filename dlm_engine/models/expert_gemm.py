@@ -89,16 +89,31 @@ class ExpertGemm:
         return fn
 
 
+def _canonical(t: torch.Tensor) -> torch.Tensor:
+    """t as an inference tensor laid out contiguously (a copy only where it is not): the
+    compiled product's guards check how inputs were made and laid out, so inputs from
+    no-grad code and from inference-mode code would each compile it anew."""
+    if t.is_inference() and t.is_contiguous():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _tunable(x: torch.Tensor) -> bool:
+    """Rows the Triton path is for: bf16 (the compiled op takes no other) on a CUDA device."""
+    return x.is_cuda and x.dtype == torch.bfloat16
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows of x [M, in] sorted by expert times w [E, in, out] (`offs`: cumulative row counts
     [E], int32) through the chosen kernel."""
-    tuned = x.is_cuda and x.dtype == torch.bfloat16  # the compiled op takes bf16 only
-    if ExpertGemm.mode == "triton" and tuned and takes_triton(x.shape[0], w.shape[0]):
+    if ExpertGemm.mode == "triton" and _tunable(x) and takes_triton(x.shape[0], w.shape[0]):
         try:
-            fn = ExpertGemm._compiled_for(x, w) if not ExpertGemm.failed else None
-            if fn is not None:
-                torch._dynamo.maybe_mark_dynamic(x, 0)
-                return fn(x, w, offs)
+            with torch.inference_mode():  # one way in, whatever the caller's mode
+                fn = ExpertGemm._compiled_for(x, w) if not ExpertGemm.failed else None
+                if fn is not None:
+                    x, offs = _canonical(x), _canonical(offs)
+                    torch._dynamo.maybe_mark_dynamic(x, 0)
+                    return fn(x, w, offs)
         except Exception as exc:  # compiler missing or unsupported: stay correct
             log.warning("expert_gemm triton disabled, using aten: %s", exc)
             ExpertGemm.failed = True

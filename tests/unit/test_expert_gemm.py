@@ -4,11 +4,13 @@ compile inside a CUDA graph capture is not possible), and the CPU path untouched
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from dlm_engine.config import EngineConfig
-from dlm_engine.models import moe
+from dlm_engine.models import expert_gemm, moe
 from dlm_engine.models.expert_gemm import (
     MAX_ROWS_PER_EXPERT,
     MIN_ROWS,
@@ -53,6 +55,31 @@ def test_one_compile_per_weight_shape_serves_every_row_count(fresh_expert_gemm):
     down = torch.randn(experts, k, n, dtype=torch.bfloat16).transpose(-2, -1)  # another shape
     ExpertGemm._compiled_for(torch.randn(16, n, dtype=torch.bfloat16), down)
     assert len(ExpertGemm.compiled) == 2
+
+
+def test_callers_in_any_mode_and_layout_share_one_compile(fresh_expert_gemm, monkeypatch):
+    """The model's no-grad code and the CUDA graphs' inference-mode code, contiguous rows or
+    not, all reach the one compiled product: a second compile under traffic would stall a
+    step, and the compiler's recompile limit would silently turn the kernel off."""
+    monkeypatch.setattr(expert_gemm, "_tunable", lambda x: x.dtype == torch.bfloat16)
+    ExpertGemm.set_mode("triton")
+    torch.manual_seed(2)
+    experts, k, n = 4, 32, 48
+    published = torch.nn.Parameter(torch.randn(experts, n, k, dtype=torch.bfloat16), False)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    modes = (torch.no_grad, torch.inference_mode)
+    for caller, maker, contiguous, rows in itertools.product(modes, modes, (True, False), (64, 40)):
+        with maker():  # where the inputs were made
+            x = torch.randn(rows, k, dtype=torch.bfloat16)
+            x = x if contiguous else torch.randn(k, rows, dtype=torch.bfloat16).t()
+            offs = _offsets(rows, experts)
+        with caller():
+            w = published.transpose(-2, -1)
+            got = grouped_mm(x, w, offs)
+            assert torch.equal(got * 1, torch._grouped_mm(x, w, offs=offs))  # usable here
+    assert not ExpertGemm.failed
+    assert len(ExpertGemm.compiled) == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
 
 
 def test_tiny_and_wide_products_stay_with_aten():
