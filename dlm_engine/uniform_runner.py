@@ -64,9 +64,9 @@ class UniformRunner:
         self.forward_passes = 0
         self.encoder_forwards = 0  # packed encoder forwards run (at most one a step)
         self.encoded_tokens = 0
-        # the decoder step from a CUDA graph while the batch's caches stay the same (not for a
-        # model whose calls first send commands to other ranks: dlm_engine/parallel/gemma.py)
-        graphs = self.device.type == "cuda" and getattr(self.model, "graph_steps", True)
+        # the decoder step from a CUDA graph while the batch's caches stay the same (on every
+        # rank under parallel: dlm_engine/parallel/gemma.py)
+        graphs = self.device.type == "cuda"
         self.decode_graph = DecodeGraph(self.model) if graphs else None
         if self.device.type == "cuda" and fused_kernels:  # the sampler's statistics, fused
             FusedKernels.enabled = True

@@ -779,8 +779,9 @@ class DecodeGraph:
     times) runs eagerly and never pays a capture. A capture that fails turns graphs off for
     good, with a log line."""
 
-    def __init__(self, model: DiffusionGemmaModel) -> None:
-        self.model = model
+    def __init__(self, model: DiffusionGemmaModel, on_cpu: bool = False) -> None:
+        self.model = model  # or parallel.gemma.ParallelGemma, which brings its own cache
+        self.on_cpu = on_cpu  # tests: CPU "graphs" replay the step (`cuda_graphs.EagerGraph`)
         self.enabled = True
         self.replays = 0
         self._seen: tuple | None = None
@@ -791,13 +792,16 @@ class DecodeGraph:
     ) -> torch.Tensor:
         """As `DiffusionGemmaModel.decode_hidden`; the result is valid until the next call."""
         key = (tuple(canvas.shape), tuple((c.version, c.length) for c in caches))
-        if not self.enabled or not canvas.is_cuda or key != self._seen:
+        if not self.enabled or not (canvas.is_cuda or self.on_cpu) or key != self._seen:
             self._seen = key
             if self._graphs is not None:
                 self._graphs.clear()  # its caches are gone or moved: free its memory
             return self.model.decode_hidden(canvas, soft, caches)
         if self._graphs is None:
-            self._graphs = GraphCache(canvas.device, max_graphs=1, warmups=0)
+            make = getattr(self.model, "decode_graph_cache", None)
+            self._graphs = (
+                make(canvas.device) if make else GraphCache(canvas.device, max_graphs=1, warmups=0)
+            )
         w = self.model.model.decoder.embed_tokens.weight
         signal = torch.zeros(*canvas.shape, w.shape[1], dtype=w.dtype, device=w.device)
         for r, emb in enumerate(soft):
@@ -814,6 +818,7 @@ class DecodeGraph:
                 static["ids"], static["signal"], static["offsets"], caches
             )
 
+        step.caches = caches  # what a parallel model's cache names to its workers
         try:
             out = self._graphs.run(key, step, inputs)
         except Exception as exc:  # a kernel that cannot be captured: eager from now on

@@ -16,7 +16,8 @@ Rank 0's `ParallelGemma` stands where the model stands for `UniformRunner`: `enc
 `decode_hidden` first send the workers the call (`channel.py`) and then run rank 0's copy; the
 workers keep a mirror of every row's encoder cache (by a number rank 0 gives each
 `RowCache`) and drop it once rank 0's is gone. The self-conditioning embedding and the output
-head read only replicated weights: rank 0 runs them alone.
+head read only replicated weights: rank 0 runs them alone. A decoder step that repeats
+(`DecodeGraph`) replays a CUDA graph on every rank, in lockstep (`GemmaGraphs`, `graphs.py`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..cuda_graphs import Inputs
 from ..models.moe import in_out, run_experts
 from .channel import Channel
+from .graphs import ParallelGraphs, WorkerGraphs
 
 
 def _gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -93,12 +96,24 @@ class _CacheIds:
         return dropped
 
 
+class GemmaGraphs(ParallelGraphs):
+    """Rank 0's decoder-step graph under several ranks (`DecodeGraph`'s cache): each capture
+    or replay first sends the workers a `gemma_graph` command naming the rows' caches, so
+    every rank captures, and replays, its own decoder step with the collectives inside."""
+
+    def __init__(self, model: ParallelGemma, device: torch.device) -> None:
+        super().__init__(model, device, max_graphs=1, warmups=0)  # as DecodeGraph's own
+
+    def run(self, key: tuple, fn, inputs: Inputs) -> torch.Tensor:
+        header = self.command("gemma_graph", key, inputs)
+        header["caches"] = [self.lm._cache_header(c) for c in fn.caches]
+        return self.lm._call(header, list(inputs.values()), lambda: self.cache.run(key, fn, inputs))
+
+
 class ParallelGemma(nn.Module):
     """Rank 0's DiffusionGemma over several ranks (see the module's docstring)."""
 
     logits_shift = 0
-    # the runner's decoder-step graphs would replay rank 0's kernels without the workers
-    graph_steps = False
 
     def __init__(self, local: nn.Module, channel: Channel, workers) -> None:
         super().__init__()
@@ -181,6 +196,16 @@ class ParallelGemma(nn.Module):
         tensors = [canvas] + [s for s in soft if s is not None]
         return self._call(header, tensors, lambda: self.local.decode_hidden(canvas, soft, caches))
 
+    def decode_graph_cache(self, device: torch.device) -> GemmaGraphs:
+        """The cache `DecodeGraph` keeps its graph in: the workers capture and replay theirs
+        alongside."""
+        return GemmaGraphs(self, device)
+
+    def decode_core(self, ids, signal, offsets, caches) -> torch.Tensor:
+        """Rank 0's decoder step over its shard: only inside a `GemmaGraphs` run, which has
+        told the workers to run theirs."""
+        return self.local.decode_core(ids, signal, offsets, caches)
+
     def close(self) -> None:
         """Stop and reap the workers and leave the process group."""
         self.workers.stop()
@@ -197,6 +222,7 @@ class GemmaWorker:
         self.device = device
         self.row_cache = RowCache
         self.caches: dict[int, Any] = {}
+        self.graphs = WorkerGraphs(device, warmups=0)  # rank 0's decoder graph, in lockstep
 
     def _cache(self, spec: list[int]):
         cid, room, layers = spec
@@ -211,6 +237,18 @@ class GemmaWorker:
         if header["cmd"] == "gemma_encode":
             caches = [self._cache(spec) for spec in header["caches"]]
             self.model.encode(list(zip(tensors, caches, strict=True)))
+            return
+        if header["cmd"] == "gemma_graph":
+            caches = [self._cache(spec) for spec in header["caches"]]
+            inputs = dict(zip(header["names"], tensors, strict=True))
+            key = self.graphs.follow(header, inputs)
+
+            def step(static: dict[str, torch.Tensor]) -> torch.Tensor:
+                return self.model.decode_core(
+                    static["ids"], static["signal"], static["offsets"], caches
+                )
+
+            self.graphs.cache.run(key, step, inputs)
             return
         if header["cmd"] != "gemma_decode":
             raise ValueError(f"unknown command {header['cmd']!r} for a DiffusionGemma worker")

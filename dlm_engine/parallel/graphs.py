@@ -10,6 +10,9 @@ the ranks must capture (warm-up and capture run the collectives eagerly and reco
 replay in lockstep: rank 0 decides, a worker follows — it captures when told, and its cache
 evicts as rank 0's does (the same size, the same order of keys), and drops everything when
 rank 0's does (a new `epoch`: the KV pool moved).
+
+DiffusionGemma's decoder steps use the same lockstep (`gemma.GemmaGraphs`): one graph kept,
+the rows' caches named as `gemma_decode` names them.
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ class ParallelGraphs:
     """Rank 0's graph cache under tensor parallel (`GraphCache`'s interface for the model
     runner): each run first tells the workers which graph to capture or replay."""
 
-    def __init__(self, lm, device: torch.device, max_graphs: int) -> None:
-        self.lm = lm  # model.ParallelLM
-        self.cache = GraphCache(device, max_graphs, capture_error_mode="thread_local")
+    def __init__(self, lm, device: torch.device, max_graphs: int, warmups: int = 1) -> None:
+        self.lm = lm  # model.ParallelLM, or gemma.ParallelGemma (`GemmaGraphs`)
+        self.cache = GraphCache(
+            device, max_graphs, warmups=warmups, capture_error_mode="thread_local"
+        )
         self.epoch = 0
 
     @property
@@ -51,22 +56,27 @@ class ParallelGraphs:
         self.cache.clear()
         self.epoch += 1
 
-    def run(self, key: tuple, fn, inputs: Inputs) -> torch.Tensor:
-        """Send the workers this forward's graph command, then capture or replay this rank's
-        graph of the same forward over its own shard."""
-        pool, width, layout, pages = fn.parts
-        header: dict[str, Any] = {
-            "cmd": "graph",
+    def command(self, cmd: str, key: tuple, inputs: Inputs) -> dict[str, Any]:
+        """What every graph command tells a worker: which graph (rank 0's key, as text: a
+        key holds rank-local values), whether it is new, the cache's size and epoch, and the
+        static inputs' names (their tensors follow the header)."""
+        return {
+            "cmd": cmd,
             "key": repr(key),
             "epoch": self.epoch,
             "capture": self.cache.will_capture(key, inputs),
             "max_graphs": self.cache.max_graphs,
-            "width": width,
-            "layout": [list(g) for g in layout],
-            "pool": _shape(pool),
-            "pages": _shape(pages),
             "names": list(inputs),
         }
+
+    def run(self, key: tuple, fn, inputs: Inputs) -> torch.Tensor:
+        """Send the workers this forward's graph command, then capture or replay this rank's
+        graph of the same forward over its own shard."""
+        pool, width, layout, pages = fn.parts
+        header = self.command("graph", key, inputs)
+        header.update(
+            width=width, layout=[list(g) for g in layout], pool=_shape(pool), pages=_shape(pages)
+        )
         local = packed_forward_fn(self.lm.local, pool, width, layout, pages)
         return self.lm._call(
             header, list(inputs.values()), lambda: self.cache.run(key, local, inputs)
@@ -76,11 +86,14 @@ class ParallelGraphs:
 class WorkerGraphs:
     """A worker's graphs: rank 0's, captured and replayed when rank 0 says."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.cache = GraphCache(device, capture_error_mode="thread_local")
+    def __init__(self, device: torch.device, warmups: int = 1) -> None:
+        self.cache = GraphCache(device, warmups=warmups, capture_error_mode="thread_local")
         self.epoch = 0
 
-    def run(self, model, header: dict[str, Any], inputs: Inputs, pool, pages) -> None:
+    def follow(self, header: dict[str, Any], inputs: Inputs) -> tuple:
+        """Take rank 0's decision for this command (`ParallelGraphs.command`): drop every
+        graph on a new epoch, capture anew where rank 0 captures, and refuse to capture where
+        rank 0 replays (the ranks would pair their collectives wrongly); the key to run."""
         if header["epoch"] != self.epoch:  # rank 0 dropped its graphs: so do we
             self.cache.clear()
             self.epoch = header["epoch"]
@@ -90,6 +103,10 @@ class WorkerGraphs:
             self.cache.drop(key, inputs)
         elif self.cache.will_capture(key, inputs):
             raise GraphsOutOfStep(f"rank 0 replays a graph this rank does not hold: {key[0]}")
+        return key
+
+    def run(self, model, header: dict[str, Any], inputs: Inputs, pool, pages) -> None:
+        key = self.follow(header, inputs)
         layout = tuple(GroupLayout(*g) for g in header["layout"])
         fn = packed_forward_fn(model, pool, int(header["width"]), layout, pages)
         self.cache.run(key, fn, inputs)

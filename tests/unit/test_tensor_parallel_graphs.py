@@ -84,3 +84,54 @@ def test_a_worker_behind_rank_0_still_reads_every_command() -> None:
         rank0.send({"cmd": "head", "i": i}, [])
     got = [worker.receive(torch.device("cpu"), lambda: False) for _ in range(40)]
     assert [g[0]["i"] if g is not None else None for g in got] == list(range(40))
+
+
+def test_diffusion_gemma_decoder_graphs_on_every_rank(tmp_path) -> None:
+    """DiffusionGemma's decoder steps replayed from "graphs" on both ranks (experts spread
+    over them): rank 0 names the rows' caches in each graph command, the worker captures and
+    replays its own step in step with rank 0 (a worker that fell out of step would raise), a
+    batch whose rows change drops the graph on both ranks; seeded rows give one device's
+    tokens."""
+    from dlm_engine.models.diffusion_gemma import DecodeGraph
+    from dlm_engine.parallel.gemma import GemmaGraphs, ParallelGemma
+    from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
+
+    path = str(make_tiny_diffusion_gemma(tmp_path / "gemma", seed=4))
+    one = Engine(EngineConfig(model=path, dtype="float32", max_rows=4))
+    config = EngineConfig(
+        model=path, dtype="float32", max_rows=4, tensor_parallel_size=2, expert_parallel=True
+    )
+    two = Engine(config)
+    model = two.runner.model
+    assert isinstance(model, ParallelGemma)
+    graph = two.runner.decode_graph = DecodeGraph(model, on_cpu=True)
+    try:
+        tok = one.tokenizer
+        prompts = [
+            tok.encode(
+                tok.apply_chat_template(
+                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+                ),
+                add_special_tokens=False,
+            )
+            for text in ("hi there", "What is 12 + 7?", "sort 4 2 9")
+        ]
+        params = [
+            {"seed": 1, "max_tokens": 40},
+            {"seed": 3, "max_tokens": 20},
+            {"seed": 6, "max_tokens": 48},
+        ]
+
+        def tokens(engine: Engine, ps, pp) -> list[list[int]]:
+            return [o.token_ids for o in engine.generate(ps, pp)]
+
+        assert tokens(two, prompts[:1], params[0]) == tokens(one, prompts[:1], params[0])
+        alone = graph.replays
+        assert alone > 0 and isinstance(graph._graphs, GemmaGraphs)
+        assert tokens(two, prompts, params) == tokens(one, prompts, params)
+        assert graph.replays > alone and graph.captures >= 2
+        assert graph._graphs.epoch >= 2  # the batch changed: both ranks dropped the graph
+        model.workers.check()  # the worker followed every command
+    finally:
+        model.close()
+    assert all(p.poll() is not None for p in model.workers.procs)
