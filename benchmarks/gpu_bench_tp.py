@@ -4,6 +4,8 @@
     python benchmarks/gpu_bench_tp.py --configs tp2,tp2ep --model llada2-mini  # expert parallel
     python benchmarks/gpu_bench_tp.py --model diffusiongemma-26b-a4b --configs tp1,tp2,tp2ep \
         --runs uniform:1,uniform:32  # DiffusionGemma: 16 seeded denoising steps a canvas
+    python benchmarks/gpu_bench_tp.py --configs tp1,tp2 --runs exact:1 --profile exact:1 \
+        --profile-dir OUT  # where a batch-1 step's time goes on rank 0, all-reduces included
 
 Writes a random bf16 checkpoint of a published architecture (`dlm_engine/presets.py`) in the
 published layout to local disk (/dev/shm where it exists: tensor parallelism reads each rank's
@@ -217,6 +219,28 @@ def floor_ms(engine: Engine, experts: float | None, bandwidth: float) -> float:
     return weight_bytes(model, share) / bandwidth * 1e3
 
 
+def profile_run(engine: Engine, args, prompts: list[list[int]], name: str) -> str:
+    """Rank 0's view of one more run of `--profile` (mode:batch) under the PyTorch profiler:
+    its kernels by device time, the collectives' kernels included (an all-reduce's kernel
+    time holds its wait for the other ranks), and host time; a Chrome trace in
+    `--profile-dir`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    mode, batch = args.profile.split(":")
+    activities = [ProfilerActivity.CPU]
+    if args.device.startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        run(engine, int(batch), mode, prompts)
+    if args.profile_dir:
+        Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(args.profile_dir) / f"{name}_{mode}_b{batch}.json"))
+    sort = "cuda_time_total" if args.device.startswith("cuda") else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=30)
+    print(f"---- {name} {mode} batch {batch} under the profiler\n{table}", flush=True)
+    return table
+
+
 def parse_config(name: str) -> tuple[int, bool]:
     """`tp2` -> (2, False), `tp2ep` -> (2, True)."""
     ep = name.endswith("ep")
@@ -232,6 +256,7 @@ def measure(ckpt: Path, name: str, args, prompts, runs) -> dict:
         EngineConfig(
             model=str(ckpt), device=args.device, dtype=dtype, tensor_parallel_size=tp,
             expert_parallel=ep, cuda_graphs=not args.no_graphs, max_rows=max(batches),
+            expert_gemm=args.expert_gemm,
             max_canvas=CANVAS, max_prompt=PROMPT + 8, max_step_tokens=1 << 30,
         )
     )  # fmt: skip
@@ -248,6 +273,8 @@ def measure(ckpt: Path, name: str, args, prompts, runs) -> dict:
         key = f"{mode}_b{b}_tok_s"
         res[key], res[f"{mode}_b{b}_ms_per_forward"] = run(engine, b, mode, prompts)
         print(f"{name} {mode:5s} batch {b:3d}: {res[key]:8.1f} tok/s", flush=True)
+    if args.profile:
+        res["profile"] = profile_run(engine, args, prompts, name)
     if engine.model_block:  # block diffusion: a batch-1 in-block forward's weight-read floor
         res["distinct_experts"] = distinct_experts(engine, prompts[0])
         res["floor_ms_b1"] = floor_ms(engine, res["distinct_experts"], args.bandwidth)
@@ -272,6 +299,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="shrunken preset: a CPU smoke run")
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than published (0: all)")
+    ap.add_argument("--profile", default="", help="mode:batch: one more run of it, profiled")
+    ap.add_argument("--profile-dir", default="", help="write the profiles' Chrome traces here")
+    ap.add_argument("--expert-gemm", default="aten", help="aten or triton (`expert_gemm`)")
     ap.add_argument(
         "--hang-dump", type=float, default=0, help="seconds: print every thread's stack and exit"
     )
@@ -359,7 +389,9 @@ def main() -> None:
                 summary[key][f"speedup_{name}"] = results[name][key] / base[key]
     summary["start_s"] = {name: results[name]["start_s"] for name in names}
     summary["graph_captures"] = {name: results[name]["graph_captures"] for name in names}
-    print(json.dumps(summary, indent=1))
+    if args.profile:
+        summary["profile"] = {name: results[name]["profile"] for name in names}
+    print(json.dumps({k: v for k, v in summary.items() if k != "profile"}, indent=1))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
