@@ -223,6 +223,34 @@ def served_alone(engine: Any, prompt: list[int], params: dict[str, Any]) -> list
     return next((tokens[:i] for i, t in enumerate(tokens) if t in engine.stop_ids), tokens)
 
 
+# three seeded requests of unlike lengths (one canvas, two, three): the batch that parallel and
+# graphed runs are held to one device's tokens with
+SEEDED_ROWS = (
+    {"seed": 1, "max_tokens": 40},
+    {"seed": 3, "max_tokens": 20},
+    {"seed": 6, "max_tokens": 48},
+)
+SEEDED_TEXTS = ("hi there", "What is 12 + 7?", "sort 4 2 9")
+
+
+def chat_prompts(tokenizer: Any, texts: tuple[str, ...] = SEEDED_TEXTS) -> list[list[int]]:
+    """Each text as the ids of a one-turn chat prompt (the checkpoint's template)."""
+    return [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )
+        for text in texts
+    ]
+
+
+def batch_tokens(engine: Any, prompts: list[list[int]], params: Any) -> list[list[int]]:
+    """The token ids `engine.generate` returns for the prompts, in order."""
+    return [o.token_ids for o in engine.generate(prompts, params)]
+
+
 def spy_encoder(engine: Any, monkeypatch: Any) -> list[list[int]]:
     """Records each encoder forward of the engine's DiffusionGemma model as its span lengths."""
     model = engine.runner.model

@@ -15,6 +15,12 @@ from dlm_engine.models.moe import route, run_experts
 from dlm_engine.parallel import ParallelLM
 from dlm_engine.parallel.sharding import read_shard
 from dlm_lab.testing import make_tiny_checkpoint
+from dlm_lab.testing_diffusion_gemma import (
+    SEEDED_ROWS,
+    batch_tokens,
+    chat_prompts,
+    make_tiny_diffusion_gemma,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank_module")
 
@@ -145,7 +151,6 @@ def test_diffusion_gemma_ep2_equals_one_device(tmp_path) -> None:
     replicated, the workers mirror each row's encoder cache; batched rows with their seeds
     give one device's tokens, and a cache dropped on rank 0 is dropped on the workers."""
     from dlm_engine.parallel.gemma import LocalExperts, ParallelGemma
-    from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
 
     path = str(make_tiny_diffusion_gemma(tmp_path / "gemma", seed=4))
     one = Engine(EngineConfig(model=path, dtype="float32", max_rows=4))
@@ -165,27 +170,11 @@ def test_diffusion_gemma_ep2_equals_one_device(tmp_path) -> None:
         assert isinstance(experts, LocalExperts) and experts.first == 0
         assert experts.gate_up_proj.shape[0] * 2 == whole.gate_up_proj.shape[0]
         assert torch.equal(experts.gate_up_proj, whole.gate_up_proj[:2])
-        tok = one.tokenizer
-
-        def prompt(text: str) -> list[int]:
-            chat = [{"role": "user", "content": text}]
-            return tok.encode(
-                tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
-                add_special_tokens=False,
-            )
-
-        prompts = [prompt("hi there"), prompt("What is 12 + 7?"), prompt("sort 4 2 9")]
-        params = [
-            {"seed": 1, "max_tokens": 40},
-            {"seed": 3, "max_tokens": 20},
-            {"seed": 6, "max_tokens": 48},
-        ]
-
-        def tokens(engine: Engine, ps, pp) -> list[list[int]]:
-            return [o.token_ids for o in engine.generate(ps, pp)]
-
-        assert tokens(two, prompts[:1], params[0]) == tokens(one, prompts[:1], params[0])
-        assert tokens(two, prompts, params) == tokens(one, prompts, params)
+        prompts, params = chat_prompts(one.tokenizer), list(SEEDED_ROWS)
+        assert batch_tokens(two, prompts[:1], params[0]) == batch_tokens(
+            one, prompts[:1], params[0]
+        )
+        assert batch_tokens(two, prompts, params) == batch_tokens(one, prompts, params)
         assert model.ids.next >= 4  # a cache a row, each numbered once
         # the encoder prefix cache would fill rank 0's caches only, not the workers' mirrors
         assert two.runner.prefix_cache is None and one.runner.prefix_cache is not None
@@ -199,7 +188,6 @@ def test_diffusion_gemma_ep2_in_fp8_equals_one_device(tmp_path) -> None:
     scale per expert's output channel, as the whole stack quantizes them), so the tokens equal
     one device's FP8 engine."""
     from dlm_engine.fp8 import Fp8Experts
-    from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
 
     path = str(make_tiny_diffusion_gemma(tmp_path / "gemma", seed=4))
     keys = dict(model=path, dtype="float32", max_rows=2, quantization="fp8")
@@ -224,8 +212,6 @@ def test_diffusion_gemma_ep2_names_a_dead_rank_as_its_fault(tmp_path) -> None:
     restarts the model), before any forward fails."""
     import os
     import signal
-
-    from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
 
     path = str(make_tiny_diffusion_gemma(tmp_path / "gemma", seed=4))
     keys = dict(model=path, dtype="float32", max_rows=2, tensor_parallel_size=2)

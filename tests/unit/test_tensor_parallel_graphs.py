@@ -15,6 +15,12 @@ from dlm_engine import Engine, EngineConfig
 from dlm_engine.parallel import ParallelLM
 from dlm_engine.parallel.graphs import ParallelGraphs
 from dlm_lab.testing import make_tiny_checkpoint
+from dlm_lab.testing_diffusion_gemma import (
+    SEEDED_ROWS,
+    batch_tokens,
+    chat_prompts,
+    make_tiny_diffusion_gemma,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank_module")
 
@@ -94,7 +100,6 @@ def test_diffusion_gemma_decoder_graphs_on_every_rank(tmp_path) -> None:
     tokens."""
     from dlm_engine.models.diffusion_gemma import DecodeGraph
     from dlm_engine.parallel.gemma import GemmaGraphs, ParallelGemma
-    from dlm_lab.testing_diffusion_gemma import make_tiny_diffusion_gemma
 
     path = str(make_tiny_diffusion_gemma(tmp_path / "gemma", seed=4))
     one = Engine(EngineConfig(model=path, dtype="float32", max_rows=4))
@@ -106,29 +111,13 @@ def test_diffusion_gemma_decoder_graphs_on_every_rank(tmp_path) -> None:
     assert isinstance(model, ParallelGemma)
     graph = two.runner.decode_graph = DecodeGraph(model, on_cpu=True)
     try:
-        tok = one.tokenizer
-        prompts = [
-            tok.encode(
-                tok.apply_chat_template(
-                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-                ),
-                add_special_tokens=False,
-            )
-            for text in ("hi there", "What is 12 + 7?", "sort 4 2 9")
-        ]
-        params = [
-            {"seed": 1, "max_tokens": 40},
-            {"seed": 3, "max_tokens": 20},
-            {"seed": 6, "max_tokens": 48},
-        ]
-
-        def tokens(engine: Engine, ps, pp) -> list[list[int]]:
-            return [o.token_ids for o in engine.generate(ps, pp)]
-
-        assert tokens(two, prompts[:1], params[0]) == tokens(one, prompts[:1], params[0])
+        prompts, params = chat_prompts(one.tokenizer), list(SEEDED_ROWS)
+        assert batch_tokens(two, prompts[:1], params[0]) == batch_tokens(
+            one, prompts[:1], params[0]
+        )
         alone = graph.replays
         assert alone > 0 and isinstance(graph._graphs, GemmaGraphs)
-        assert tokens(two, prompts, params) == tokens(one, prompts, params)
+        assert batch_tokens(two, prompts, params) == batch_tokens(one, prompts, params)
         assert graph.replays > alone and graph.captures >= 2
         assert graph._graphs.epoch >= 2  # the batch changed: both ranks dropped the graph
         model.workers.check()  # the worker followed every command
