@@ -53,7 +53,7 @@ def takes_triton(rows: int, experts: int) -> bool:
 
 
 class ExpertGemm:
-    """The process's choice (set by the model runner from the `expert_gemm` setting) and the
+    """The process's choice (set by the engine, and each worker rank, from `expert_gemm`) and the
     compiled products, one per weight shape and layout."""
 
     mode = "aten"
