@@ -9,9 +9,8 @@ k > 1) and scaled by `routed_scaling_factor`.
 
 The experts run as two grouped GEMMs over tokens sorted by expert (`torch._grouped_mm`, which
 also runs on CPU, or on CUDA its Triton-tuned compile: `expert_gemm.py`), never as a Python
-loop over experts. No step
-waits on the host (no `.item()`, no data-dependent shapes), so the layer can be captured in a
-CUDA graph. Where `_grouped_mm` is unavailable for a device and dtype, a per-row gathered
+loop over experts. No step waits on the host (no `.item()`, no data-dependent shapes), so the
+layer can be captured in a CUDA graph. Where `_grouped_mm` is unavailable for a device and dtype, a per-row gathered
 `torch.bmm` computes the same products.
 """
 
