@@ -76,6 +76,7 @@ class Engine:
                 config.encode_step_tokens,
                 config.encoder_prefix_cache_bytes,
                 fused_kernels=config.fused_kernels,
+                cuda_graphs=config.cuda_graphs,
             )
             if lm.family.uniform_diffusion
             else ModelRunner(

@@ -39,6 +39,7 @@ class UniformRunner:
         encode_step_tokens: int | None = None,
         prefix_cache_bytes: int | None = 0,
         fused_kernels: bool = True,
+        cuda_graphs: bool = True,
     ) -> None:
         self.model = loaded.model
         self.encode_step_tokens = encode_step_tokens  # the encoder's budget a step (None: all)
@@ -66,7 +67,7 @@ class UniformRunner:
         self.encoded_tokens = 0
         # the decoder step from a CUDA graph while the batch's caches stay the same (on every
         # rank under parallel: dlm_engine/parallel/gemma.py)
-        graphs = self.device.type == "cuda"
+        graphs = self.device.type == "cuda" and cuda_graphs
         self.decode_graph = DecodeGraph(self.model) if graphs else None
         if self.device.type == "cuda" and fused_kernels:  # the sampler's statistics, fused
             FusedKernels.enabled = True
