@@ -9,8 +9,6 @@ tok/s, TTFT, and the bf16 weight-read floor of a step.
         # prompts sharing their first 3,584 tokens, the encoder prefix cache on (or off)
     python benchmarks/gpu_bench_gemma.py --quantization fp8
         # linear layers and experts in e4m3 (quantized at load), beside a bf16 run
-    python benchmarks/gpu_bench_gemma.py --batches 32 --graphs on --sampler-rows 8
-        # the fused sampler statistics over 8 rows a pass (compare a run with --sampler-rows 1)
 
 The model is the published google/diffusiongemma-26B-A4B-it text architecture
 (`presets.py`) with random bf16 weights, built on the meta device and materialised straight
@@ -69,7 +67,6 @@ from typing import Any
 import torch
 
 from dlm_engine import Engine, EngineConfig
-from dlm_engine.decoding import uniform_diffusion
 from dlm_engine.loader import LoadedModel, load_checkpoint
 from dlm_engine.models import build_model, detect_family
 from dlm_engine.presets import PRESETS
@@ -476,12 +473,6 @@ def main() -> None:
         "--expert-gemm", default="aten", help="aten or triton: the experts' kernel (`expert_gemm`)"
     )
     ap.add_argument(
-        "--sampler-rows",
-        type=int,
-        default=0,
-        help="rows a fused sampler-statistics pass takes at once (0: the engine's default)",
-    )
-    ap.add_argument(
         "--graphs", choices=("on", "off", "both"), default="both", help="decoder CUDA graphs"
     )
     args = ap.parse_args()
@@ -507,10 +498,7 @@ def main() -> None:
         )
     model = loaded.model
     vocab = int(model.vocab_size)
-    if args.sampler_rows:
-        uniform_diffusion.FUSED_ROWS_PER_PASS = args.sampler_rows
     report["conditions"] = {
-        "sampler_rows_per_pass": uniform_diffusion.FUSED_ROWS_PER_PASS,
         "expert_gemm": args.expert_gemm,
         "prompt_tokens": args.prompt,
         "output_tokens": args.output,

@@ -97,11 +97,6 @@ def _sampler_statistics(
 # embeddings): at 32 rows of a 262,144-token vocabulary those passes are a third of a step.
 sampler_statistics = FusedKernels(_sampler_statistics)
 
-# Rows whose fused statistics one pass computes together (`absorb_rows`). A pass over one
-# row's 256 x 262,144 product gives the GPU one program per position, too few to stream it
-# at full bandwidth; several rows give it several times as many. 1 keeps a pass a row.
-FUSED_ROWS_PER_PASS = 1
-
 
 def accepted_mask(entropy: torch.Tensor, bound: float) -> torch.Tensor:
     """Entropy-bound acceptance: the k lowest-entropy positions with sum - max <= bound."""
@@ -375,7 +370,8 @@ def denoise_rows(
     hidden = (decode or model.decode_hidden)(
         torch.cat([r.current for r in live]), [r.soft for r in live], [r.cache for r in live]
     )
-    verdicts = absorb_rows(live, hidden, model)
+    # each row's logits alone (L x V float32 each), sampled from and dropped
+    verdicts = [row.absorb_hidden(hidden[i : i + 1], model) for i, row in enumerate(live)]
     # one wait on the device per step, for every row's adaptive-stopping verdict
     pending = [v for v in verdicts if v is not None]
     stopped = iter(torch.stack(pending).tolist() if pending else [])
@@ -384,55 +380,6 @@ def denoise_rows(
         for row, v in zip(live, verdicts, strict=True)
     }
     return [ended.get(id(row)) for row in rows]
-
-
-def absorb_rows(
-    rows: list[UniformRow], hidden: torch.Tensor, model: DiffusionGemmaModel
-) -> list[torch.Tensor | None]:
-    """Each row's `absorb_hidden` of its hidden states `hidden[i]` [L, H]: its logits alone
-    (L x V float32), sampled from and dropped. Rows that take the fused pass go through it
-    `FUSED_ROWS_PER_PASS` at a time, one head product and one statistics pass for them all;
-    each still draws from its own generator, so its tokens are the same either way."""
-    verdicts: list[torch.Tensor | None] = [None] * len(rows)
-    group: list[int] = []
-    for i, row in enumerate(rows):
-        if FUSED_ROWS_PER_PASS > 1 and row.fuses(hidden, model):
-            group.append(i)
-            if len(group) == FUSED_ROWS_PER_PASS:
-                _absorb_fused(rows, group, hidden, model, verdicts)
-                group = []
-        else:
-            verdicts[i] = row.absorb_hidden(hidden[i : i + 1], model)
-    if group:
-        _absorb_fused(rows, group, hidden, model, verdicts)
-    return verdicts
-
-
-def _absorb_fused(
-    rows: list[UniformRow],
-    group: list[int],
-    hidden: torch.Tensor,
-    model: DiffusionGemmaModel,
-    verdicts: list[torch.Tensor | None],
-) -> None:
-    """`absorb_hidden`'s fused pass for the rows `group` at once: their temperatures as a
-    [G, 1, 1] tensor, each row's statistics a slice of the pass's."""
-    if len(group) == 1:
-        i = group[0]
-        verdicts[i] = rows[i].absorb_hidden(hidden[i : i + 1], model)
-        return
-    index = torch.tensor(group, device=hidden.device)
-    temps = torch.stack(
-        [temperature(rows[i].settings, rows[i].remaining, hidden.device) for i in group]
-    ).view(-1, 1, 1)
-    probs, probs_low, argmax, entropy = sampler_statistics(
-        model.head_product(hidden.index_select(0, index)), model.logit_cap, temps
-    )
-    for j, i in enumerate(group):
-        part = slice(j, j + 1)
-        verdicts[i] = rows[i]._take(
-            probs[part], argmax[part], entropy[part], model, probs_low[part]
-        )
 
 
 def generate(
